@@ -1,0 +1,1 @@
+"""The driver side: the PPO/GRPO fit loop, metrics, trackers, checkpoints, entry points."""

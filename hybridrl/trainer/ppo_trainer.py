@@ -1,0 +1,307 @@
+"""The PPO/GRPO fit loop: the single controller of the HybridFlow design.
+
+The driver holds no model weights. Each stage of ``fit`` is one method; each sends a DataProto to
+the worker group (split across data-parallel ranks) and merges what comes back:
+
+    generate -> reward -> old/ref log-probs -> values -> KL-in-reward -> advantages
+             -> critic update -> actor update -> weight sync (hybrid engine)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hybridrl import algos
+from hybridrl.protocol import DataProto, to_object_array
+from hybridrl.trainer import checkpoint as ckpt
+from hybridrl.trainer.metrics import (
+    Timer,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+)
+
+GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+class Workers(Protocol):
+    """What the driver calls on the (colocated) worker group; each call is SPMD over its ranks."""
+
+    world_size: int
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto: ...
+    def compute_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
+    def compute_values(self, data: DataProto) -> DataProto: ...
+    def update_actor(self, data: DataProto) -> DataProto: ...
+    def update_critic(self, data: DataProto) -> DataProto: ...
+    def sync_weights(self) -> None: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+class PPOTrainer:
+    """Runs ``fit()``; everything it needs is built by ``hybridrl.trainer.main_ppo``."""
+
+    def __init__(self, config, workers: Workers, train_loader, val_loader, reward_fn: Callable,
+                 val_reward_fn: Callable, tracking, log_dir: str | Path) -> None:
+        self.config = config
+        self.workers = workers
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.tracking = tracking
+        self.log_dir = Path(log_dir)
+        alg = config.algorithm
+        self.use_critic = alg.adv_estimator == "gae"
+        actor = config.actor_rollout_ref.actor
+        self.use_ref = alg.use_kl_in_reward or actor.use_kl_loss
+        self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
+                                                 alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon) \
+            if alg.use_kl_in_reward else None
+        self.global_step = 0
+        self.total_steps = self._total_steps()
+
+    # ------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_steps`` steps; returns the last step's metrics."""
+        self._resume()
+        trainer = self.config.trainer
+        if self.val_loader is not None and trainer.val_before_train and self.global_step == 0:
+            self.tracking.log(self.validate(), step=0)
+        last: dict[str, float] = {}
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            last = self.train_step()
+            is_last = self.global_step == self.total_steps
+            if self.val_loader is not None and trainer.test_freq > 0 and (
+                    self.global_step % trainer.test_freq == 0 or is_last):
+                last.update(self.validate())
+            self.tracking.log(last, step=self.global_step)
+            if trainer.save_freq > 0 and (self.global_step % trainer.save_freq == 0 or is_last):
+                self.save_checkpoint()
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        timer = Timer()
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        with timer("step"):
+            batch = self.collect_batch(timer, metrics)
+            if self.config.trainer.balance_batch:
+                batch = self.balance_batch(batch)
+            with timer("old_log_prob"):
+                batch = self.compute_old_log_probs(batch, metrics)
+            if self.use_ref:
+                with timer("ref"):
+                    batch = batch.union(self.workers.compute_ref_log_prob(batch))
+            if self.use_critic:
+                with timer("values"):
+                    batch = batch.union(self.workers.compute_values(batch))
+            with timer("adv"):
+                batch = self.compute_rewards_and_advantages(batch, metrics)
+            if self.use_critic:
+                with timer("update_critic"):
+                    metrics.update(self.workers.update_critic(batch).meta_info["metrics"])
+            if self.global_step > self.config.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(self.workers.update_actor(batch).meta_info["metrics"])
+                with timer("update_weights"):
+                    self.workers.sync_weights()
+        metrics.update(compute_data_metrics(batch, self.use_critic))
+        metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
+        metrics.update(compute_throughput_metrics(batch, time.perf_counter() - start, self.workers.world_size))
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.train_loader.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------------------- stages
+    def collect_batch(self, timer: Timer, metrics: dict[str, float]) -> DataProto:
+        """Generate and score until the batch is full.
+
+        Without ``algorithm.filter_groups.enable`` this is one prompt batch. With it (DAPO dynamic
+        sampling), groups whose ``filter_groups.metric`` has zero variance carry no GRPO signal and
+        are dropped; more prompt batches are generated until ``data.train_batch_size`` prompts are
+        kept or ``max_num_gen_batches`` is reached (0 = no limit).
+        """
+        fg = self.config.algorithm.filter_groups
+        n = self.config.actor_rollout_ref.rollout.n
+        want = self.config.data.train_batch_size
+        kept: list[DataProto] = []
+        num_prompts = num_gen = 0
+        while True:
+            num_gen += 1
+            with timer("gen"):
+                batch = self.generate(next(self.train_iter))
+            with timer("reward"):
+                batch = self.score(batch, self.reward_fn, metrics)
+            if not fg.enable:
+                return batch
+            batch = self.filter_groups(batch, fg.metric)
+            kept.append(batch)
+            num_prompts += len(batch) // n
+            if num_prompts >= want:
+                metrics["train/num_gen_batches"] = float(num_gen)
+                return DataProto.concat(kept)[: want * n]
+            if 0 < fg.max_num_gen_batches <= num_gen:
+                raise RuntimeError(
+                    f"dynamic sampling kept {num_prompts} of {want} prompts after {num_gen} generation "
+                    f"batches (algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}); "
+                    "the data may be too easy or too hard: raise max_num_gen_batches or set it to 0")
+
+    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
+        """Rollout for one prompt batch: returns B = N*n rows, samples of a prompt adjacent."""
+        if "uid" not in prompts.non_tensor_batch:
+            prompts.non_tensor_batch["uid"] = to_object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
+        gen_in = prompts.select(batch_keys=GEN_KEYS, non_tensor_batch_keys=[])
+        gen_in.meta_info = {"validate": validate, "global_step": self.global_step}
+        out = self.workers.generate_sequences(gen_in)
+        repeat = len(out) // len(prompts)
+        rest = prompts.select(batch_keys=[k for k in prompts.batch if k not in GEN_KEYS])
+        merged = rest.repeat(repeat, interleave=True).union(out.select(meta_info_keys=[]))
+        merged.meta_info = {k: v for k, v in out.meta_info.items() if k != "metrics"}
+        return merged
+
+    def score(self, batch: DataProto, reward_fn: Callable, metrics: dict[str, float]) -> DataProto:
+        scores, extra = reward_fn(batch)
+        batch.batch["token_level_scores"] = scores
+        for k, v in extra.get("metrics", {}).items():
+            metrics[k] = float(v)
+        batch.meta_info["reward_extra"] = {k: v for k, v in extra.items() if k != "metrics"}
+        return batch
+
+    def filter_groups(self, batch: DataProto, metric: str) -> DataProto:
+        """Keep the groups (same uid) whose ``metric`` per sequence varies (DAPO, arXiv 2503.14476)."""
+        if metric in ("seq_final_reward", "seq_reward", "score"):
+            values = batch.batch["token_level_scores"].sum(-1).numpy()
+        else:
+            extra = batch.meta_info.get("reward_extra", {})
+            if metric not in extra:
+                raise KeyError(f"algorithm.filter_groups.metric={metric!r} is not a reward output; "
+                               f"available: ['seq_reward', 'seq_final_reward', {', '.join(map(repr, extra))}]")
+            values = np.asarray(extra[metric], dtype=np.float64)
+        uids = batch.non_tensor_batch["uid"]
+        by_uid: dict[str, list[float]] = {}
+        for uid, v in zip(uids, values):
+            by_uid.setdefault(uid, []).append(float(v))
+        keep_uid = {u for u, vs in by_uid.items() if len(vs) > 1 and np.std(vs) > 0}
+        keep = np.array([u in keep_uid for u in uids], dtype=bool)
+        return batch[keep]
+
+    def balance_batch(self, batch: DataProto) -> DataProto:
+        """Reorder rows so each data-parallel rank gets a similar number of real tokens."""
+        world = self.workers.world_size
+        if world <= 1:
+            return batch
+        lengths = batch.batch["attention_mask"].sum(-1).tolist()
+        order = algos.balanced_partition_order(lengths, world)
+        return batch.reorder(order)
+
+    def compute_old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        out = self.workers.compute_log_prob(batch)
+        if "entropy" in out.batch:
+            entropy = out.pop(batch_keys=["entropy"]).batch["entropy"]
+            mask = batch.batch["response_mask"]
+            metrics["actor/entropy"] = float(algos.masked_mean(entropy, mask).item())
+        batch = batch.union(out.select(meta_info_keys=[]))
+        if "rollout_log_probs" in batch.batch:
+            metrics.update(self.rollout_mismatch_metrics(batch))
+        return batch
+
+    def rollout_mismatch_metrics(self, batch: DataProto) -> dict[str, float]:
+        """How far the rollout engine's log-probs are from the trainer's on the same tokens."""
+        mask = batch.batch["response_mask"].bool()
+        diff = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
+        prob_diff = (batch.batch["old_log_probs"].exp() - batch.batch["rollout_log_probs"].exp()).abs()[mask]
+        if diff.numel() == 0:
+            return {}
+        return {"training/rollout_probs_diff_max": prob_diff.max().item(),
+                "training/rollout_probs_diff_mean": prob_diff.mean().item(),
+                "training/rollout_log_probs_diff_max": diff.max().item()}
+
+    def compute_rewards_and_advantages(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        alg = self.config.algorithm
+        b = batch.batch
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = algos.apply_kl_penalty(
+                b["token_level_scores"], b["old_log_probs"], b["ref_log_probs"], b["response_mask"],
+                self.kl_ctrl, alg.kl_penalty)
+            b["token_level_rewards"] = rewards
+            metrics.update(kl_metrics)
+        else:
+            b["token_level_rewards"] = b["token_level_scores"]
+        advantages, returns = algos.compute_advantage(
+            alg.adv_estimator, token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"],
+            index=batch.non_tensor_batch["uid"], values=b.get("values"), gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        b["advantages"], b["returns"] = advantages, returns
+        return batch
+
+    # ---------------------------------------------------------------------------- validation
+    def validate(self) -> dict[str, float]:
+        """Generate on the whole validation set (``rollout.val_kwargs``) and report, per data
+        source, ``val-core/<data_source>/acc/mean@<n>`` (acc when the scorer returns it, else the
+        score) and ``val-aux/...`` for the other reward outputs."""
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        per_source: dict[str, dict[str, list[float]]] = {}
+        for prompts in self.val_loader:
+            batch = self.generate(prompts, validate=True)
+            scores, extra = self.val_reward_fn(batch)
+            seq_scores = scores.sum(-1).tolist()
+            sources = batch.non_tensor_batch["data_source"]
+            for i, src in enumerate(sources):
+                slot = per_source.setdefault(str(src), {})
+                slot.setdefault("score", []).append(seq_scores[i])
+                for key, values in extra.items():
+                    if key != "metrics" and len(values) == len(batch):
+                        slot.setdefault(key, []).append(float(values[i]))
+        out: dict[str, float] = {}
+        for src, series in per_source.items():
+            core = "acc" if "acc" in series else "score"
+            for key, values in series.items():
+                section = "val-core" if key == core else "val-aux"
+                out[f"{section}/{src}/{key}/mean@{n}"] = float(np.mean(values))
+        return out
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        trainer = self.config.trainer
+        stage = ckpt.staging_dir(trainer.default_local_dir, self.global_step)
+        self.workers.save_checkpoint(str(stage))
+        state = {"global_step": self.global_step, "data": self.train_loader.state_dict(),
+                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
+                 "rng": torch.get_rng_state(), "np_rng": np.random.get_state()}
+        torch.save(state, stage / "trainer_state.pt")
+        ckpt.commit_checkpoint(trainer.default_local_dir, self.global_step, trainer.max_actor_ckpt_to_keep)
+
+    def _resume(self) -> None:
+        trainer = self.config.trainer
+        path = ckpt.find_resume_checkpoint(trainer.default_local_dir, trainer.resume_mode,
+                                           trainer.resume_from_path)
+        if path is not None:
+            self.workers.load_checkpoint(str(path))
+            state = torch.load(path / "trainer_state.pt", weights_only=False)
+            self.global_step = state["global_step"]
+            self.train_loader.load_state_dict(state["data"])
+            if self.kl_ctrl is not None and state["kl_coef"] is not None:
+                self.kl_ctrl.value = state["kl_coef"]
+            torch.set_rng_state(state["rng"])
+            np.random.set_state(state["np_rng"])
+            self.workers.sync_weights()
+            print(f"hybridrl: resumed from {path} at step {self.global_step}", flush=True)
+        self.train_iter: Iterator[DataProto] = iter(self.train_loader)
+
+    def _total_steps(self) -> int:
+        trainer = self.config.trainer
+        if trainer.total_training_steps:
+            return int(trainer.total_training_steps)
+        return int(math.ceil(len(self.train_loader) * trainer.total_epochs))
