@@ -1,0 +1,87 @@
+"""Batch-size arithmetic and cross-key checks: each error shows the numbers and names the keys."""
+
+import pytest
+
+from hybridrl.config import ConfigError, load_config
+
+# N=16 prompts, G=4, world size 2 (cpu workers): B=64, mini 8 prompts -> 32 sequences -> 16 per device.
+BASE = ["trainer.device=cpu"]
+
+
+def errors_of(*overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config([*BASE, *overrides], preset="grpo_quickstart")
+    return str(err.value)
+
+
+def test_valid_arithmetic_passes():
+    cfg = load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], preset="grpo_quickstart")
+    assert cfg.trainer.world_size == 2
+
+
+def test_step_batch_must_split_over_the_world():
+    message = errors_of("data.train_batch_size=15", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=5",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    assert "data.train_batch_size x actor_rollout_ref.rollout.n = 15 x 1 = 15 sequences" in message
+    assert "trainer.nnodes=1 x trainer.n_cpu_workers=2" in message and "15 / 2 = 7.5" in message
+
+
+def test_mini_batch_must_divide_the_train_batch():
+    message = errors_of("actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    assert "data.train_batch_size=16 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=6" in message
+
+
+def test_mini_batch_per_device_must_be_a_multiple_of_the_micro_batch():
+    message = errors_of("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12")
+    assert "8 x 4 / 2 = 16 sequences, is not a multiple of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12" in message
+
+
+def test_mini_batch_sequences_must_split_over_the_world():
+    message = errors_of("trainer.n_cpu_workers=3", "data.train_batch_size=24", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                        "actor_rollout_ref.rollout.n=1")
+    assert "ppo_mini_batch_size x actor_rollout_ref.rollout.n = 1 x 1 = 1 sequences per mini batch" in message
+
+
+def test_cuda_world_size_uses_gpus_per_node():
+    message = errors_of("trainer.device=cuda", "trainer.n_gpus_per_node=3")
+    assert "trainer.nnodes=1 x trainer.n_gpus_per_node=3, device=cuda" in message
+
+
+def test_missing_micro_batch_names_both_ways_out():
+    message = errors_of("~actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
+    assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu is not set" in message
+    assert "log_prob_use_dynamic_bsz=true" in message
+
+
+def test_token_budget_must_hold_one_sequence():
+    message = errors_of("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=90")
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=90 cannot hold one full sequence" in message
+    assert "64 + 32 = 96 tokens" in message
+    # the rollout/ref token budgets follow the actor's through interpolation, so they are reported too
+    assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=90" in message
+
+
+def test_critic_checked_only_when_in_use():
+    assert "critic.ppo_micro_batch_size_per_gpu is not set" in errors_of("algorithm.adv_estimator=gae")
+    assert "needs a critic" in errors_of("algorithm.adv_estimator=gae", "critic.enable=false",
+                                         "critic.ppo_micro_batch_size_per_gpu=4")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n=0 must be >= 1"),
+        (["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+        (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "clip_ratio_c=1.0 must be > 1"),
+        (["trainer.save_freq=0"], "trainer.save_freq=0 must be -1 (never) or >= 1"),
+        (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
+        (["actor_rollout_ref.rollout.val_kwargs.do_sample=true"], "needs val_kwargs.temperature > 0"),
+        (["actor_rollout_ref.actor.tis_imp_ratio_cap=2"], "set actor_rollout_ref.rollout.calculate_log_probs=true"),
+        (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "needs actor_rollout_ref.rollout.n >= 2"),
+        (["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], "offload_policy=true needs an accelerator"),
+        (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=0 must be in [1"),
+    ],
+)
+def test_consistency_errors(overrides, fragment):
+    assert fragment in errors_of(*overrides)
