@@ -1,0 +1,55 @@
+"""Starting (or joining) Ray the way hybridrl needs it: quiet, no dashboard, no token auth."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["init_ray"]
+
+# Environment a worker needs to behave like the driver (offline hubs, quiet tokenizers). A local
+# cluster inherits the driver's environment anyway; runtime_env carries these to remote nodes.
+_FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
+                  "HF_HOME", "PYTHONHASHSEED")
+
+
+def init_ray(
+    num_cpus: int | None = None, address: str | None = None, extra_sys_path: Sequence[str] = (), **kwargs: Any
+) -> None:
+    """Start a local Ray (or connect to ``address``) unless this process already did; idempotent.
+
+    Args:
+        num_cpus: CPUs Ray may schedule on a new local cluster (None: all of them). Ignored
+            when connecting to an existing cluster.
+        address: ``None`` starts a fresh local cluster; ``"auto"`` or ``"host:port"`` joins one.
+        extra_sys_path: directories the workers must import from besides the installed packages,
+            the driver's current directory and its script's directory (which Ray adds itself),
+            e.g. a folder of test helpers or reward functions; prepended to their PYTHONPATH.
+        kwargs: passed to ``ray.init`` (they override the defaults below).
+
+    Role classes travel to the workers by reference (module + name), so their module must be
+    importable there: an installed package, the driver's directory, or ``extra_sys_path``.
+    """
+    # Read by Ray when it starts: without it Ray 2.5x warns about token authentication.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if ray.is_initialized():
+        return
+    env_vars = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    if extra_sys_path:
+        paths = [os.path.abspath(p) for p in extra_sys_path] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        env_vars["PYTHONPATH"] = os.pathsep.join(paths)
+    options: dict[str, Any] = {
+        "address": address,
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": True,
+        "runtime_env": {"env_vars": env_vars},
+    }
+    if address is None:
+        options["num_cpus"] = num_cpus
+    options.update(kwargs)
+    ray.init(**options)

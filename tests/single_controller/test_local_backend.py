@@ -1,0 +1,79 @@
+"""The local backend: same roles, dispatch and error semantics as Ray, in this process."""
+
+import os
+
+import pytest
+import torch
+
+from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerError, WorkerGroup
+
+from .toy_workers import LinearWorker, ToyActor, ToyRef, make_rows
+
+
+def local_group(roles):
+    return WorkerGroup(ResourcePool([1]), roles, backend="local")
+
+
+def test_local_group_runs_in_driver_with_rendezvous_env():
+    wg = local_group(RoleSpec(ToyActor, scale=2.0))
+    (info,) = wg.info()
+    assert info["pid"] == os.getpid() and info["RANK"] == "0" and info["WORLD_SIZE"] == "1"
+    out = wg.scale_rows(make_rows(5), offset=1.0)
+    assert out.batch["y"].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]
+    assert out.non_tensor_batch["uid"].tolist() == ["u0", "u1", "u2", "u3", "u4"]
+    assert wg.whoami() == 0
+    assert wg.slow_rank(0.0).get() == [0]
+
+
+def test_local_colocated_roles_share_objects():
+    wg = local_group({"actor": ToyActor, "ref": RoleSpec(ToyRef, uses=("actor",))})
+    wg.actor.set_scale(3.0)
+    assert wg.ref.actor_scale() == [3.0]
+    assert wg.call("ref", "pid") == [os.getpid()]
+
+
+def test_local_arguments_are_copied_like_ray():
+    wg = local_group(LinearWorker)
+    data = make_rows(2, dim=4)
+    wg.mutate_input(data)
+    assert data.batch["x"].abs().sum() > 0
+
+
+def test_local_raise_gives_worker_error_and_closes_group():
+    wg = local_group(ToyActor)
+    with pytest.raises(WorkerError, match="rank 0 of 1 raised in fail_on_rank") as info:
+        wg.fail_on_rank(0)
+    assert "ValueError: bad batch on rank 0" in info.value.remote_traceback
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(RuntimeError, match="shut down after a failure"):
+        wg.info()
+
+
+def test_local_rejects_more_than_one_rank_and_unknown_names():
+    with pytest.raises(ValueError, match="world size 2"):
+        WorkerGroup(ResourcePool([2]), ToyActor, backend="local")
+    with pytest.raises(ValueError, match="allowed: \\['ray', 'local'\\]"):
+        WorkerGroup(ResourcePool([1]), ToyActor, backend="mpi")
+    with pytest.raises(ValueError, match="listed before it"):
+        local_group({"ref": RoleSpec(ToyRef, uses=("actor",)), "actor": ToyActor})
+    with pytest.raises(ValueError, match="role name 'shutdown'"):
+        local_group({"shutdown": ToyActor})
+    wg = local_group({"actor": ToyActor})
+    with pytest.raises(AttributeError, match="decorate it with @register"):
+        wg.actor.not_registered()
+    with pytest.raises(AttributeError, match="no role 'critic'"):
+        wg.critic  # noqa: B018
+
+
+def test_local_constructor_failure_names_init():
+    with pytest.raises(WorkerError, match="raised in __init__"):
+        local_group(RoleSpec(LinearWorker, seed="not a seed"))
+
+
+def test_local_linear_worker_trains():
+    wg = local_group(LinearWorker)
+    data = make_rows(4, dim=4)
+    before = wg.score(data).batch["scores"]
+    losses = [wg.train_step(data)[0] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert not torch.equal(before, wg.score(data).batch["scores"])
