@@ -1,0 +1,339 @@
+"""TrainEngine: the one training interface, FSDP2 over any process group (gloo on CPU, NCCL on GPU).
+
+Without an initialised process group the same class runs the plain module at world size 1; with
+one (even of a single rank) the model is sharded with ``fully_shard``. Everything else (padding
+removal, micro-batching, loss accumulation, clipping, checkpoints, weight streaming) is one code
+path.
+
+Batch contract (``DataProto`` keys, shape letters as in ``hybridrl.protocol``): ``input_ids``,
+``attention_mask`` and optionally ``position_ids`` ``(B, T)``, ``responses (B, R)``, with
+``T = P + R``, prompts LEFT-padded and responses RIGHT-padded. Log-prob of response token ``j`` comes
+from the logits at position ``P - 1 + j`` divided by the temperature (log_softmax, gathered at
+``responses[:, j]``); a critic's value for token ``j`` is its output at the same position (the state
+before the token is generated). Outputs are ``(B, R)`` and 0 at response padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridrl.engine import checkpoint as ckpt
+from hybridrl.engine.distributed import all_reduce_max, default_device
+from hybridrl.engine.fsdp import resolve_dtype, shard_model
+from hybridrl.engine.lr_schedule import build_lr_scheduler
+from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real_lengths
+from hybridrl.engine.seqlen_balancing import partition_micro_batches
+from hybridrl.protocol import DataProto
+
+__all__ = ["LossFn", "TrainEngine"]
+
+LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, Any]]]
+MODEL_TYPES = ("causal_lm", "value")
+
+
+class TrainEngine:
+    """Owns one model, its AdamW optimizer and LR schedule on every rank of a process group.
+
+    Args:
+        model: a causal LM (``model(input_ids, attention_mask, position_ids).logits`` is
+            ``(b, t, V)``) or, with ``model_type="value"``, a critic whose output is ``(b, t)``,
+            ``(b, t, 1)`` or has such a ``.logits`` / ``.values``.
+        lr, betas, weight_decay, eps: AdamW.
+        grad_clip: max global grad norm; ``None`` or ``<= 0`` measures the norm without clipping.
+        lr_scheduler, warmup_steps, total_steps, min_lr_ratio: see ``lr_schedule``.
+        param_dtype, reduce_dtype: FSDP mixed precision (``"float32"``, ``"bfloat16"``,
+            ``"float16"``); master weights and optimizer state stay float32. Without a process group
+            a lower ``param_dtype`` runs the forward under ``torch.autocast``.
+        process_group: defaults to WORLD when initialised, else no group (plain world size 1).
+        gradient_checkpointing: recompute block activations in backward (HF models).
+        device: defaults to ``cuda:<LOCAL_RANK>`` with CUDA, else CPU.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.01,
+        eps: float = 1e-8,
+        grad_clip: float | None = 1.0,
+        lr_scheduler: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        param_dtype: str = "float32",
+        reduce_dtype: str = "float32",
+        process_group: dist.ProcessGroup | None = None,
+        gradient_checkpointing: bool = False,
+        model_type: str = "causal_lm",
+        device: torch.device | str | None = None,
+    ):
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+        self.model_type = model_type
+        self.device = torch.device(device) if device is not None else default_device()
+        self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
+        reduce = resolve_dtype(reduce_dtype, "reduce_dtype")
+        model.to(self.device)
+        if gradient_checkpointing:
+            _enable_gradient_checkpointing(model)
+        if self.group is not None:
+            model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce)
+        self.model = model
+        self.grad_clip = grad_clip if grad_clip is not None and grad_clip > 0 else float("inf")
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, lr_scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        )
+        self.global_step = 0
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ------------------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(
+        self,
+        data: DataProto,
+        *,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+    ) -> DataProto:
+        """Per-token outputs for the response part, in the original row order.
+
+        Returns a CPU DataProto with ``log_probs (B, R)`` (+ ``entropy (B, R)`` if asked) for a causal
+        LM, ``values (B, R)`` for a critic; ``meta_info`` has ``computed_tokens`` / ``real_tokens``.
+        Micro-batches as in ``train_step``. Collective under FSDP (all ranks call it)."""
+        self.model.eval()
+        groups = self._micro_batches(data, micro_batch_size, max_token_len)
+        parts, computed, real = [], 0, 0
+        for index in groups:
+            outputs, packed = self._forward_micro(data[index], temperature, calculate_entropy)
+            parts.append(outputs)
+            computed, real = computed + packed.computed_tokens, real + packed.real_tokens
+        order = torch.from_numpy(np.concatenate(groups))
+        result = {}
+        for key in parts[0]:
+            merged = torch.cat([p[key] for p in parts]).cpu()
+            result[key] = torch.empty_like(merged).index_copy_(0, order, merged)
+        return DataProto.from_dict(tensors=result, meta_info={"computed_tokens": computed, "real_tokens": real})
+
+    # --------------------------------------------------------------------------- train step
+    def train_step(
+        self,
+        data: DataProto,
+        loss_fn: LossFn,
+        *,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step over ``data`` (one mini-batch of this rank).
+
+        ``loss_fn(outputs, micro)`` gets the micro-batch's outputs (``log_probs``, ``entropy``
+        or ``values``, each ``(b, R)``, with gradients) and the micro-batch rows as a DataProto,
+        and returns ``(loss, metrics)``. **The loss must already be normalised globally**: the
+        engine backpropagates the plain sum over micro-batches and ranks (FSDP reduces gradients
+        as a sum), so e.g. token-mean is ``sum(l * mask) / total_tokens_of_the_mini_batch_on_all_ranks``.
+        Micro-batches: ``micro_batch_size`` rows, or ``max_token_len`` computed tokens
+        (dynamic), or the whole batch if neither is given.
+
+        Returns ``loss`` (the global loss: sum over micro-batches and ranks), ``grad_norm``
+        (before clipping; the step is skipped if it is not finite), ``lr`` (used by this step),
+        ``num_micro_batches``, ``padding_ratio`` (computed / real tokens on this rank), and the
+        loss_fn metrics averaged over this rank's micro-batches.
+        """
+        self.model.train()
+        groups = self._micro_batches(data, micro_batch_size, max_token_len)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        user_metrics: dict[str, list[float]] = defaultdict(list)
+        computed = real = 0
+        for index in groups:
+            micro = data[index]
+            outputs, packed = self._forward_micro(micro, temperature, calculate_entropy)
+            loss, metrics = loss_fn(outputs, micro)
+            loss.backward()
+            loss_sum += loss.detach().double()
+            computed, real = computed + packed.computed_tokens, real + packed.real_tokens
+            for key, value in metrics.items():
+                user_metrics[key].append(float(value))
+        grad_norm = self._clip_and_step()
+        lr = self.lr_scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():
+            # a skipped (non-finite) step still advances the schedule, as in verl; torch warns then
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.lr_scheduler.step()
+        self.global_step += 1
+        if self.world_size > 1:
+            dist.all_reduce(loss_sum, group=self.group)
+        out = {key: float(np.mean(values)) for key, values in user_metrics.items()}
+        out.update(loss=float(loss_sum), grad_norm=grad_norm, lr=lr, num_micro_batches=len(groups))
+        out["padding_ratio"] = computed / max(1, real)
+        return out
+
+    def _clip_and_step(self) -> float:
+        """Clip the global grad norm (all ranks' shards) and step; skip the step if it is not finite."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = float(norm)
+        if np.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # ----------------------------------------------------------------------- micro-batches
+    def _micro_batches(self, data: DataProto, micro_batch_size: int | None, max_token_len: int | None) -> list:
+        """Index arrays of the micro-batches, the same count on every rank."""
+        _check_batch(data)
+        if micro_batch_size is not None and max_token_len is not None:
+            raise ValueError("give micro_batch_size or max_token_len (dynamic batching), not both")
+        if micro_batch_size is None and max_token_len is None:
+            micro_batch_size = len(data)
+        p, r = real_lengths(data.batch["attention_mask"], data.batch["responses"].shape[1])
+        sync = None
+        if self.world_size > 1:
+            def sync(count: int) -> int:
+                return int(all_reduce_max(count, self.group, self.device))
+        return partition_micro_batches(
+            (p + r).tolist(), max_token_len=max_token_len, micro_batch_size=micro_batch_size, sync_count=sync
+        )
+
+    def _forward_micro(
+        self, micro: DataProto, temperature: float, calculate_entropy: bool
+    ) -> tuple[dict[str, torch.Tensor], PackedRows]:
+        """Outputs ``(b, R)`` for one micro-batch after removing its padding."""
+        batch = {k: v.to(self.device) for k, v in micro.batch.items()}
+        response_len = batch["responses"].shape[1]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        packed = pack_rows(batch["input_ids"], batch["attention_mask"], position_ids, response_len)
+        kwargs = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask}
+        kwargs["position_ids"] = packed.position_ids
+        if self.model_type == "causal_lm":
+            first_col = max(0, int(packed.prompt_lens.min()) - 1)
+            if self._keeps_logits:
+                kwargs["logits_to_keep"] = packed.input_ids.shape[1] - first_col
+            else:
+                first_col = 0
+            with self._autocast():
+                output = self.model(**kwargs, use_cache=False)
+            logits = output.logits if hasattr(output, "logits") else output
+            outputs = _token_stats(logits, packed, first_col, batch["responses"], temperature, calculate_entropy)
+        else:
+            with self._autocast():
+                output = self.model(**kwargs)
+            values, valid = gather_response(_values_of(output), packed)
+            outputs = {"values": torch.where(valid, values.float(), 0.0)}
+        return {k: _pad_right(v, response_len) for k, v in outputs.items()}, packed
+
+    def _autocast(self):
+        # FSDP casts through its MixedPrecisionPolicy; the plain module needs autocast instead.
+        if self.group is None and self.param_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.param_dtype)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ checkpoint / weights
+    def save_checkpoint(self, path) -> None:
+        """Sharded checkpoint of model, optimizer, LR schedule and RNG (collective)."""
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.lr_scheduler, self.group, self.global_step)
+
+    def load_checkpoint(self, path) -> None:
+        """Restore ``save_checkpoint``'s state so the next step equals the uninterrupted run's."""
+        self.global_step = ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler, self.group)
+
+    def export_hf(self, path, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Rank 0 writes a Hugging Face folder loadable by ``from_pretrained`` (collective)."""
+        ckpt.export_hf(path, self.model, tokenizer=tokenizer, dtype=dtype, group=self.group)
+
+    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` one at a time, HF names (tied weights once); collective."""
+        return ckpt.iter_full_tensors(self.model, dtype)
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    """transformers >= 5.2x names it ``activation_checkpointing_enable``; older ones and
+    hybridrl's critic wrapper ``gradient_checkpointing_enable``."""
+    for method, kwarg in (
+        ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+        ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+    ):
+        enable = getattr(model, method, None)
+        if enable is None:
+            continue
+        if kwarg in inspect.signature(enable).parameters:
+            # non-reentrant checkpointing works with FSDP2's hooks and with inputs that need no grad
+            enable(**{kwarg: {"use_reentrant": False}})
+        else:
+            enable()
+        return
+    raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no checkpointing method")
+
+
+def _check_batch(data: DataProto) -> None:
+    missing = [k for k in ("input_ids", "attention_mask", "responses") if k not in data.batch]
+    if missing:
+        raise KeyError(f"TrainEngine needs batch keys {missing}; present: {sorted(data.batch)}")
+    t, r = data.batch["input_ids"].shape[1], data.batch["responses"].shape[1]
+    if data.batch["attention_mask"].shape != data.batch["input_ids"].shape or r >= t:
+        raise ValueError(
+            f"expected input_ids/attention_mask (B, T) and responses (B, R) with R < T; got "
+            f"{tuple(data.batch['input_ids'].shape)}, {tuple(data.batch['attention_mask'].shape)}, "
+            f"{tuple(data.batch['responses'].shape)}"
+        )
+
+
+def _token_stats(
+    logits: torch.Tensor,
+    packed: PackedRows,
+    first_col: int,
+    responses: torch.Tensor,
+    temperature: float,
+    calculate_entropy: bool,
+) -> dict[str, torch.Tensor]:
+    """log-probs (and entropy) ``(b, R_mb)`` of the response tokens from ``logits (b, W', V)``."""
+    logits, valid = gather_response(logits, packed, first_col)
+    logits = logits.float() / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    tokens = responses[:, : logits.shape[1]]
+    log_probs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+    out = {"log_probs": torch.where(valid, log_probs, 0.0)}
+    if calculate_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        out["entropy"] = torch.where(valid, log_z - (probs * logits).sum(-1), 0.0)
+    return out
+
+
+def _values_of(output: Any) -> torch.Tensor:
+    """The critic's per-position values ``(b, t)`` from a tensor or a model output object."""
+    for attr in ("values", "logits"):
+        if not isinstance(output, torch.Tensor) and getattr(output, attr, None) is not None:
+            output = getattr(output, attr)
+            break
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"critic output {type(output).__name__} is neither a tensor nor has .values/.logits")
+    if output.dim() == 3 and output.shape[-1] == 1:
+        output = output.squeeze(-1)
+    if output.dim() != 2:
+        raise ValueError(f"critic output must be (b, t) or (b, t, 1), got {tuple(output.shape)}")
+    return output
+
+
+def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x

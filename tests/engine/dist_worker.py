@@ -1,0 +1,64 @@
+"""One rank of the 2-process gloo run in test_distributed.py (run as a script, env vars set there).
+
+Rank 0 gets the longest half of the batch and rank 1 the shortest, so dynamic batching needs more
+micro-batches on rank 0 and the engine must agree on one count (otherwise FSDP would hang).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import build_model, make_batch, params_of, pg_loss_fn  # noqa: E402
+
+from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
+from hybridrl.engine.packing import real_lengths  # noqa: E402
+from hybridrl.engine.seqlen_balancing import partition_micro_batches  # noqa: E402
+
+BUDGET = 40
+
+
+def split_by_length(data, rank, world):
+    p, r = real_lengths(data.batch["attention_mask"], data.batch["responses"].shape[1])
+    order = torch.argsort(-(p + r), stable=True)
+    rows = order.chunk(world)[rank]
+    return data[rows], rows
+
+
+def main(out: Path) -> None:
+    rank, world = init_distributed(timeout_s=120)
+    batches = [make_batch(batch_size=12, seed=s) for s in (21, 22)]
+    tokens = [int(b.batch["response_mask"].sum()) for b in batches]
+    local, rows = split_by_length(batches[0], rank, world)
+    local2, _ = split_by_length(batches[1], rank, world)
+    p, r = real_lengths(local.batch["attention_mask"], local.batch["responses"].shape[1])
+    local_count = len(partition_micro_batches((p + r).tolist(), max_token_len=BUDGET))
+
+    engine = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5)
+    fwd = engine.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
+    m1 = engine.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET)
+    engine.save_checkpoint(out / "ckpt")
+    m2 = engine.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
+    full = {name: (tuple(t.shape), t.clone()) for name, t in engine.iter_full_params()}
+    engine.export_hf(out / "hf")
+
+    resumed = TrainEngine(build_model(seed=5), lr=1e-3, grad_clip=0.5)
+    resumed.load_checkpoint(out / "ckpt")
+    m2_resumed = resumed.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
+    resumed_equal = all(torch.equal(a, params_of(engine.model)[n]) for n, a in params_of(resumed.model).items())
+    local_shapes = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
+    torch.save(
+        {
+            "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
+            "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal,
+            "full": full, "local_shapes": local_shapes, "local_count": local_count,
+        },
+        out / f"rank{rank}.pt",
+    )
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

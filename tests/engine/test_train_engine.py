@@ -1,0 +1,181 @@
+"""TrainEngine at world size 1: forward definition, micro-batch invariance, checkpoint, export."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridrl.engine import TrainEngine
+from hybridrl.protocol import DataProto
+
+from .helpers import (
+    TinyCritic,
+    build_model,
+    make_batch,
+    params_of,
+    pg_loss_fn,
+    reference_outputs,
+    value_loss_fn,
+)
+
+pytestmark = pytest.mark.component
+
+MODES = [{}, {"micro_batch_size": 3}, {"max_token_len": 40}]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["whole", "rows3", "tokens40"])
+def test_forward_matches_padded_definition(mode):
+    model = build_model()
+    data = make_batch(batch_size=9)
+    ref = reference_outputs(model, data, temperature=0.7)
+    engine = TrainEngine(model, lr=1e-3)
+    out = engine.forward(data, temperature=0.7, calculate_entropy=True, **mode)
+    torch.testing.assert_close(out.batch["log_probs"], ref["log_probs"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(out.batch["entropy"], ref["entropy"], rtol=0, atol=2e-6)
+    real = int(data.batch["attention_mask"].sum())
+    assert out.meta_info["real_tokens"] == real
+    assert real <= out.meta_info["computed_tokens"] <= data.batch["input_ids"].numel()
+
+
+def test_train_step_is_invariant_to_micro_batching():
+    data = make_batch(batch_size=10, seed=3)
+    tokens = int(data.batch["response_mask"].sum())
+    results = []
+    for mode in MODES:
+        engine = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5)
+        metrics = engine.train_step(data, pg_loss_fn(tokens), **mode)
+        results.append((metrics, params_of(engine.model)))
+    (m0, p0), rest = results[0], results[1:]
+    assert m0["grad_norm"] > 0.5  # clipping active, so the clip path is compared too
+    for metrics, params in rest:
+        assert metrics["loss"] == pytest.approx(m0["loss"], rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+        for name in p0:
+            torch.testing.assert_close(params[name], p0[name], rtol=0, atol=1e-6)
+    assert results[1][0]["num_micro_batches"] == 4
+    start = params_of(build_model())
+    assert any(not torch.equal(start[n], p0[n]) for n in p0)
+
+
+def test_critic_values_and_update():
+    data = make_batch(batch_size=6, seed=4)
+    model = TinyCritic()
+    b = data.batch
+    with torch.no_grad():
+        full = model(b["input_ids"], b["attention_mask"], b["position_ids"])
+    expected = full[:, -11:-1] * b["attention_mask"][:, -10:]
+    engine = TrainEngine(model, lr=1e-3, model_type="value")
+    out = engine.forward(data, max_token_len=30)
+    torch.testing.assert_close(out.batch["values"], expected, rtol=0, atol=2e-6)
+    tokens = int(b["response_mask"].sum())
+    m1 = engine.train_step(data, value_loss_fn(tokens), micro_batch_size=2)
+    assert m1["vf_loss"] > 0 and m1["grad_norm"] > 0
+    assert not torch.equal(engine.forward(data).batch["values"], out.batch["values"])
+
+
+def _run_steps(engine, batches, tokens):
+    return [engine.train_step(b, pg_loss_fn(tokens), max_token_len=40) for b in batches]
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    # dropout makes the next step depend on the restored RNG state, not only on the weights
+    kw = dict(lr=1e-2, lr_scheduler="cosine", warmup_steps=1, total_steps=4, min_lr_ratio=0.1)
+    batches = [make_batch(batch_size=8, seed=s) for s in (10, 11, 12)]
+    tokens = 40
+    torch.manual_seed(7)
+    straight = TrainEngine(build_model(attention_dropout=0.2), **kw)
+    expected = _run_steps(straight, batches, tokens)
+
+    torch.manual_seed(7)
+    first = TrainEngine(build_model(attention_dropout=0.2), **kw)
+    _run_steps(first, batches[:1], tokens)
+    first.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(12345)
+    resumed = TrainEngine(build_model(seed=99, attention_dropout=0.2), **kw)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.global_step == 1
+    got = _run_steps(resumed, batches[1:], tokens)
+    for a, b in zip(got, expected[1:]):
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
+    final, ref = params_of(resumed.model), params_of(straight.model)
+    assert all(torch.equal(final[n], ref[n]) for n in ref)
+    assert resumed.optimizer.state_dict()["state"].keys() == straight.optimizer.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_hf_reloads_with_same_logits(tmp_path, tie):
+    engine = TrainEngine(build_model(tie_word_embeddings=tie), lr=1e-2)
+    data = make_batch(batch_size=4, seed=5)
+    engine.train_step(data, pg_loss_fn(20))
+    engine.export_hf(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    b = data.batch
+    with torch.no_grad():
+        want = engine.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        got = reloaded(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    assert torch.equal(got, want)
+    names = [n for n, _ in engine.iter_full_params()]
+    assert ("lm_head.weight" in names) == (not tie)
+
+
+def test_padding_efficiency_on_mixed_lengths():
+    data = make_batch(batch_size=64, prompt_len=48, response_len=96, seed=6)
+    engine = TrainEngine(build_model(max_position_embeddings=256), lr=1e-3)
+    real = int(data.batch["attention_mask"].sum())
+    padded_ratio = data.batch["input_ids"].numel() / real
+    whole = engine.forward(data, micro_batch_size=64).meta_info["computed_tokens"] / real
+    dynamic = engine.forward(data, max_token_len=1024).meta_info["computed_tokens"] / real
+    print(f"computed/real tokens: padded {padded_ratio:.3f}, packed one micro-batch {whole:.3f}, "
+          f"length-bucketed max_token_len=1024 {dynamic:.3f}")
+    assert dynamic < whole <= padded_ratio
+    assert dynamic < 1.15
+
+
+def test_input_errors_name_the_problem():
+    engine = TrainEngine(build_model(), lr=1e-3)
+    data = make_batch(batch_size=2)
+    with pytest.raises(KeyError, match="responses"):
+        engine.forward(DataProto.from_dict(tensors={k: data.batch[k] for k in ("input_ids", "attention_mask")}))
+    with pytest.raises(ValueError, match="not both"):
+        engine.forward(data, micro_batch_size=1, max_token_len=100)
+    with pytest.raises(ValueError, match="max_token_len=5"):
+        engine.forward(data, max_token_len=5)
+    with pytest.raises(ValueError, match="model_type"):
+        TrainEngine(build_model(), lr=1e-3, model_type="reward")
+
+
+def test_gradient_checkpointing_and_bf16_autocast():
+    data = make_batch(batch_size=6, seed=8)
+    plain = TrainEngine(build_model(), lr=1e-3).train_step(data, pg_loss_fn(30), micro_batch_size=3)
+    ckpt = TrainEngine(build_model(), lr=1e-3, gradient_checkpointing=True)
+    assert ckpt.train_step(data, pg_loss_fn(30), micro_batch_size=3)["grad_norm"] == pytest.approx(
+        plain["grad_norm"], rel=1e-6
+    )
+    bf16 = TrainEngine(build_model(), lr=1e-3, param_dtype="bfloat16")
+    metrics = bf16.train_step(data, pg_loss_fn(30), micro_batch_size=3)
+    assert metrics["grad_norm"] == pytest.approx(plain["grad_norm"], rel=5e-2)
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights stay fp32
+
+
+def test_non_finite_grad_norm_skips_the_step():
+    engine = TrainEngine(build_model(), lr=1e-2)
+    before = params_of(engine.model)
+    data = make_batch(batch_size=4, seed=9)
+
+    def nan_loss(outputs, micro):
+        return outputs["log_probs"].sum() * float("nan"), {}
+
+    metrics = engine.train_step(data, nan_loss)
+    assert metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    after = params_of(engine.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_row_without_real_tokens_gives_zeros_not_nan():
+    data = make_batch(batch_size=4, seed=1)
+    data.batch["attention_mask"][2] = 0
+    data.batch["response_mask"][2] = 0
+    engine = TrainEngine(build_model(), lr=1e-3)
+    out = engine.forward(data, micro_batch_size=2).batch["log_probs"]
+    assert torch.equal(out[2], torch.zeros(10)) and torch.isfinite(out).all()
+    metrics = engine.train_step(data, pg_loss_fn(20))
+    assert metrics["grad_norm"] == metrics["grad_norm"] and metrics["grad_norm"] > 0
