@@ -18,3 +18,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# tests/ is the import root of the test packages: Ray workers need it to import test-only role
+# classes (e.g. single_controller.toy_workers) by reference.
+TESTS_DIR = __import__("pathlib").Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for the whole test session (STYLE.md: ray.init costs seconds here)."""
+    import ray
+
+    from hybridrl.single_controller import init_ray
+
+    init_ray(num_cpus=2, extra_sys_path=[str(TESTS_DIR)])
+    yield ray
+    ray.shutdown()

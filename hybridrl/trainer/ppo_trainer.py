@@ -14,12 +14,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from hybridrl import algos
+from hybridrl.engine.seqlen_balancing import balance_across_ranks
 from hybridrl.protocol import DataProto, to_object_array
 from hybridrl.trainer import checkpoint as ckpt
 from hybridrl.trainer.metrics import (
@@ -30,6 +31,11 @@ from hybridrl.trainer.metrics import (
 )
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def merge_columns(batch: DataProto, out: DataProto) -> DataProto:
+    """Add a worker's output columns to the batch; its meta_info (per-call statistics) is dropped."""
+    return batch.union(out.select(meta_info_keys=[]))
 
 
 class Workers(Protocol):
@@ -97,31 +103,32 @@ class PPOTrainer:
         start = time.perf_counter()
         with timer("step"):
             batch = self.collect_batch(timer, metrics)
+            batch.meta_info["global_step"] = self.global_step
             if self.config.trainer.balance_batch:
                 batch = self.balance_batch(batch)
             with timer("old_log_prob"):
                 batch = self.compute_old_log_probs(batch, metrics)
             if self.use_ref:
                 with timer("ref"):
-                    batch = batch.union(self.workers.compute_ref_log_prob(batch))
+                    batch = merge_columns(batch, self.workers.compute_ref_log_prob(batch))
             if self.use_critic:
                 with timer("values"):
-                    batch = batch.union(self.workers.compute_values(batch))
+                    batch = merge_columns(batch, self.workers.compute_values(batch))
             with timer("adv"):
                 batch = self.compute_rewards_and_advantages(batch, metrics)
             if self.use_critic:
                 with timer("update_critic"):
-                    metrics.update(self.workers.update_critic(batch).meta_info["metrics"])
+                    metrics.update(self.workers.update_critic(batch))
             if self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(self.workers.update_actor(batch).meta_info["metrics"])
+                    metrics.update(self.workers.update_actor(batch))
                 with timer("update_weights"):
                     self.workers.sync_weights()
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
         metrics.update(compute_throughput_metrics(batch, time.perf_counter() - start, self.workers.world_size))
         metrics["training/global_step"] = float(self.global_step)
-        metrics["training/epoch"] = float(self.train_loader.epoch)
+        metrics["training/epoch"] = float(self.train_loader.sampler.epoch)
         return metrics
 
     # ------------------------------------------------------------------------------- stages
@@ -167,16 +174,17 @@ class PPOTrainer:
         out = self.workers.generate_sequences(gen_in)
         repeat = len(out) // len(prompts)
         rest = prompts.select(batch_keys=[k for k in prompts.batch if k not in GEN_KEYS])
-        merged = rest.repeat(repeat, interleave=True).union(out.select(meta_info_keys=[]))
+        merged = merge_columns(rest.repeat(repeat, interleave=True), out)
         merged.meta_info = {k: v for k, v in out.meta_info.items() if k != "metrics"}
         return merged
 
     def score(self, batch: DataProto, reward_fn: Callable, metrics: dict[str, float]) -> DataProto:
+        """``token_level_scores`` from the reward manager; its per-sample extras stay in meta_info
+        (``reward_extra``) for dynamic sampling, and its metrics join the step's."""
         scores, extra = reward_fn(batch)
         batch.batch["token_level_scores"] = scores
-        for k, v in extra.get("metrics", {}).items():
-            metrics[k] = float(v)
-        batch.meta_info["reward_extra"] = {k: v for k, v in extra.items() if k != "metrics"}
+        metrics.update({k: float(v) for k, v in extra.get("metrics", {}).items()})
+        batch.meta_info["reward_extra"] = extra.get("reward_extra_info", {})
         return batch
 
     def filter_groups(self, batch: DataProto, metric: str) -> DataProto:
@@ -203,8 +211,7 @@ class PPOTrainer:
         if world <= 1:
             return batch
         lengths = batch.batch["attention_mask"].sum(-1).tolist()
-        order = algos.balanced_partition_order(lengths, world)
-        return batch.reorder(order)
+        return batch.reorder(balance_across_ranks(lengths, world))
 
     def compute_old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         out = self.workers.compute_log_prob(batch)
@@ -212,7 +219,7 @@ class PPOTrainer:
             entropy = out.pop(batch_keys=["entropy"]).batch["entropy"]
             mask = batch.batch["response_mask"]
             metrics["actor/entropy"] = float(algos.masked_mean(entropy, mask).item())
-        batch = batch.union(out.select(meta_info_keys=[]))
+        batch = merge_columns(batch, out)
         if "rollout_log_probs" in batch.batch:
             metrics.update(self.rollout_mismatch_metrics(batch))
         return batch
@@ -248,25 +255,26 @@ class PPOTrainer:
 
     # ---------------------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
-        """Generate on the whole validation set (``rollout.val_kwargs``) and report, per data
-        source, ``val-core/<data_source>/acc/mean@<n>`` (acc when the scorer returns it, else the
-        score) and ``val-aux/...`` for the other reward outputs."""
+        """Generate on the whole validation set (``rollout.val_kwargs``) and report per data
+        source, as verl names them: ``val-core/<data_source>/acc/mean@<n>`` when the scorer
+        returns ``acc``, else ``val-core/<data_source>/reward/mean@<n>``; the other numeric reward
+        outputs go under ``val-aux/``."""
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         per_source: dict[str, dict[str, list[float]]] = {}
         for prompts in self.val_loader:
             batch = self.generate(prompts, validate=True)
             scores, extra = self.val_reward_fn(batch)
+            extra = extra.get("reward_extra_info", {})
             seq_scores = scores.sum(-1).tolist()
-            sources = batch.non_tensor_batch["data_source"]
-            for i, src in enumerate(sources):
+            for i, src in enumerate(batch.non_tensor_batch[self.config.data.reward_fn_key]):
                 slot = per_source.setdefault(str(src), {})
-                slot.setdefault("score", []).append(seq_scores[i])
+                slot.setdefault("reward", []).append(seq_scores[i])
                 for key, values in extra.items():
-                    if key != "metrics" and len(values) == len(batch):
+                    if key != "score" and isinstance(values[i], int | float):
                         slot.setdefault(key, []).append(float(values[i]))
         out: dict[str, float] = {}
         for src, series in per_source.items():
-            core = "acc" if "acc" in series else "score"
+            core = "acc" if "acc" in series else "reward"
             for key, values in series.items():
                 section = "val-core" if key == core else "val-aux"
                 out[f"{section}/{src}/{key}/mean@{n}"] = float(np.mean(values))
@@ -298,7 +306,13 @@ class PPOTrainer:
             np.random.set_state(state["np_rng"])
             self.workers.sync_weights()
             print(f"hybridrl: resumed from {path} at step {self.global_step}", flush=True)
-        self.train_iter: Iterator[DataProto] = iter(self.train_loader)
+        self.train_iter: Iterator[DataProto] = self._endless(self.train_loader)
+
+    @staticmethod
+    def _endless(loader) -> Iterator[DataProto]:
+        """Batches across epochs; the loader's sampler state always names the next batch."""
+        while True:
+            yield from loader
 
     def _total_steps(self) -> int:
         trainer = self.config.trainer

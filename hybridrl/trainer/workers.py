@@ -1,0 +1,84 @@
+"""The driver's view of the colocated worker group (the hybrid engine).
+
+One process per device holds the actor, the rollout (which reads the actor's weights in place),
+and, when used, the reference policy and the critic. The trainer calls plain methods here; each
+is one SPMD call over the group's ranks.
+"""
+
+from __future__ import annotations
+
+from hybridrl.config.validate import critic_in_use, ref_in_use
+from hybridrl.protocol import DataProto
+from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerGroup, init_ray
+from hybridrl.trainer.metrics import reduce_metrics
+from hybridrl.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
+
+
+class PPOWorkers:
+    """Actor + rollout (+ ref, + critic) colocated in one worker group."""
+
+    def __init__(self, config, total_training_steps: int) -> None:
+        trainer = config.trainer
+        use_gpu = trainer.device == "cuda"
+        roles = {
+            "actor": RoleSpec(ActorWorker, config, total_training_steps),
+            "rollout": RoleSpec(RolloutWorker, config, uses=("actor",)),
+        }
+        self.has_ref, self.has_critic = ref_in_use(config), critic_in_use(config)
+        if self.has_ref:
+            roles["ref"] = RoleSpec(RefWorker, config)
+        if self.has_critic:
+            roles["critic"] = RoleSpec(CriticWorker, config, total_training_steps)
+        per_node = trainer.n_gpus_per_node if use_gpu else trainer.n_cpu_workers
+        if trainer.backend == "ray":
+            init_ray(num_cpus=config.ray_kwargs.ray_init.num_cpus)
+        self.pool = ResourcePool([per_node] * trainer.nnodes, use_gpu=use_gpu)
+        self.group = WorkerGroup(self.pool, roles, backend=trainer.backend, name="actor_rollout")
+        self.world_size = self.group.world_size
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        return self.group.rollout.generate_sequences(prompts)
+
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        return self.group.actor.compute_log_prob(data)
+
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        return self.group.ref.compute_ref_log_prob(data)
+
+    def compute_values(self, data: DataProto) -> DataProto:
+        return self.group.critic.compute_values(data)
+
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        return _mean_over_ranks(self.group.actor.update_actor(data))
+
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        return _mean_over_ranks(self.group.critic.update_critic(data))
+
+    def sync_weights(self) -> None:
+        self.group.rollout.sync_weights()
+
+    def save_checkpoint(self, path: str) -> None:
+        self.group.actor.save_checkpoint(path)
+        if self.has_critic:
+            self.group.critic.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.actor.load_checkpoint(path)
+        if self.has_critic:
+            self.group.critic.load_checkpoint(path)
+
+    def export_hf(self, path: str) -> None:
+        self.group.actor.export_hf(path)
+
+    def shutdown(self) -> None:
+        """Kill the worker processes and return the placement groups to Ray."""
+        self.group.shutdown()
+        self.pool.release()
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    merged: dict[str, list[float]] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            merged.setdefault(key, []).append(value)
+    return reduce_metrics(merged)

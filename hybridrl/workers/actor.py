@@ -1,0 +1,150 @@
+"""The actor: old log-probs and the PPO policy update (policy loss, KL loss, entropy bonus)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.algos import (
+    PolicyLossParams,
+    agg_loss,
+    compute_policy_loss,
+    compute_rollout_is_weights,
+    kl_penalty,
+)
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.protocol import DataProto
+from hybridrl.single_controller import Dispatch, Worker, register
+from hybridrl.utils.faults import maybe_inject
+from hybridrl.workers.common import (
+    LossAccumulator,
+    build_engine,
+    global_batch_info,
+    iter_mini_batches,
+    mean_metrics,
+    micro_batching,
+    setup_distributed,
+)
+
+
+class ActorWorker(Worker):
+    """Holds the policy in a TrainEngine (FSDP2 over the worker group's ranks)."""
+
+    def __init__(self, config, total_training_steps: int) -> None:
+        setup_distributed()
+        arr = config.actor_rollout_ref
+        self.config = config
+        self.actor = arr.actor
+        self.n = arr.rollout.n
+        self.temperature = arr.rollout.temperature
+        model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
+                               gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+                               override_config=dict(arr.model.override_config))
+        self.updates_per_step = self.actor.ppo_epochs * (config.data.train_batch_size // self.actor.ppo_mini_batch_size)
+        self.engine = build_engine(model, self.actor.optim, grad_clip=self.actor.grad_clip,
+                                   total_steps=total_training_steps, updates_per_step=self.updates_per_step,
+                                   model_dtype=self.actor.fsdp_config.model_dtype)
+        self.policy_params = PolicyLossParams(
+            clip_ratio=self.actor.clip_ratio, clip_ratio_low=self.actor.clip_ratio_low,
+            clip_ratio_high=self.actor.clip_ratio_high, clip_ratio_c=self.actor.clip_ratio_c,
+            clip_cov_ratio=self.actor.policy_loss.clip_cov_ratio, clip_cov_lb=self.actor.policy_loss.clip_cov_lb,
+            clip_cov_ub=self.actor.policy_loss.clip_cov_ub, kl_cov_ratio=self.actor.policy_loss.kl_cov_ratio,
+            ppo_kl_coef=self.actor.policy_loss.ppo_kl_coef)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs (B,R)`` and ``entropy (B,R)`` under the current policy."""
+        maybe_inject("compute_log_prob")
+        rollout = self.config.actor_rollout_ref.rollout
+        out = self.engine.forward(data, temperature=self.temperature, calculate_entropy=True,
+                                  **micro_batching(rollout.log_prob_use_dynamic_bsz,
+                                                   rollout.log_prob_micro_batch_size_per_gpu,
+                                                   rollout.log_prob_max_token_len_per_gpu))
+        out.rename("log_probs", "old_log_probs")
+        return out
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO epochs over mini-batches of ``ppo_mini_batch_size x n`` sequences (all ranks)."""
+        maybe_inject("update_actor")
+        rows = self.actor.ppo_mini_batch_size * self.n // self.world_size
+        step = int(data.meta_info.get("global_step", 0))
+        per_step = []
+        for mini in iter_mini_batches(data, rows, self.actor.ppo_epochs, self.actor.shuffle,
+                                      self.actor.data_loader_seed + step):
+            per_step.append(self._optimizer_step(mini))
+        return mean_metrics(per_step)
+
+    def _optimizer_step(self, mini: DataProto) -> dict[str, float]:
+        info = global_batch_info(mini, self.actor.loss_scale_factor)
+        acc = LossAccumulator()
+        need_entropy = self.actor.entropy_coeff != 0 or self.actor.calculate_entropy
+        loss_fn = self._loss_fn(info, acc, need_entropy)
+        metrics = self.engine.train_step(
+            mini, loss_fn, temperature=self.temperature, calculate_entropy=need_entropy,
+            **micro_batching(self.actor.use_dynamic_bsz, self.actor.ppo_micro_batch_size_per_gpu,
+                             self.actor.ppo_max_token_len_per_gpu))
+        out = {f"actor/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr", "padding_ratio")}
+        out.update({k: v for k, v in metrics.items() if k.startswith("actor/")})
+        out.update({f"actor/{k}": v for k, v in acc.all_reduced().items()})
+        return out
+
+    def _loss_fn(self, info, acc: LossAccumulator, need_entropy: bool):
+        actor, algorithm = self.actor, self.config.algorithm
+
+        def loss_fn(outputs: dict[str, torch.Tensor], micro: DataProto):
+            b = micro.batch
+            mask = b["response_mask"].to(outputs["log_probs"].dtype)
+            log_prob = outputs["log_probs"]
+            is_weights, metrics = self._rollout_is_weights(b, mask, algorithm)
+            pg_loss, pg_metrics = compute_policy_loss(
+                actor.policy_loss.loss_mode, b["old_log_probs"], log_prob, b["advantages"], mask,
+                actor.loss_agg_mode, params=self.policy_params, rollout_is_weights=is_weights, batch_info=info)
+            metrics.update({k: float(v) for k, v in pg_metrics.items()})
+            loss = pg_loss
+            acc.add(pg_loss=pg_loss)
+            if need_entropy:
+                entropy = agg_loss(outputs["entropy"], mask, actor.loss_agg_mode, **info.as_kwargs())
+                acc.add(entropy_loss=entropy)
+                loss = loss - actor.entropy_coeff * entropy
+            if actor.use_kl_loss:
+                kld = kl_penalty(log_prob, b["ref_log_probs"], actor.kl_loss_type)
+                kl_loss = agg_loss(kld, mask, actor.loss_agg_mode, **info.as_kwargs())
+                acc.add(kl_loss=kl_loss)
+                metrics["actor/kl_coef"] = actor.kl_loss_coef
+                loss = loss + actor.kl_loss_coef * kl_loss
+            return loss, metrics
+
+        return loss_fn
+
+    def _rollout_is_weights(self, b, mask, algorithm):
+        """Truncated IS weights pi_old / pi_rollout when configured (verl's rollout_is / TIS)."""
+        cap = self.actor.tis_imp_ratio_cap
+        threshold = algorithm.rollout_is_threshold if algorithm.rollout_is else (cap if cap > 0 else None)
+        if threshold is None or "rollout_log_probs" not in b:
+            return None, {}
+        lower = algorithm.rollout_is_threshold_lower if algorithm.rollout_is_mode == "mask" else None
+        if lower is None and algorithm.rollout_is_mode == "mask":
+            lower = 1.0 / threshold
+        level = "sequence" if algorithm.rollout_is_level == "sequence" else "token"
+        weights, metrics = compute_rollout_is_weights(b["old_log_probs"], b["rollout_log_probs"], mask,
+                                                      level=level, threshold=threshold, threshold_lower=lower)
+        return weights, {k: float(v) for k, v in metrics.items()}
+
+    # ----------------------------------------------------------------------------- checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded state under ``<path>/actor``; with ``hf_model`` in ``checkpoint.save_contents``
+        also a Hugging Face folder ``<path>/actor/hf_model`` (with the tokenizer)."""
+        self.engine.save_checkpoint(f"{path}/actor")
+        if "hf_model" in self.actor.checkpoint.save_contents:
+            self.export_hf(f"{path}/actor/hf_model")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load_checkpoint(f"{path}/actor")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        model = self.config.actor_rollout_ref.model
+        tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+        self.engine.export_hf(path, tokenizer=tokenizer)

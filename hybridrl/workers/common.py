@@ -1,0 +1,119 @@
+"""What every training role shares: building a TrainEngine from a config section, global
+loss normalizers, and looping PPO epochs over mini-batches."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrl.algos import GlobalBatchInfo, count_normalizers
+from hybridrl.engine.distributed import init_distributed
+from hybridrl.engine.train_engine import TrainEngine
+from hybridrl.protocol import DataProto
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def setup_distributed() -> None:
+    """Join the worker group's process group (the host exported RANK/WORLD_SIZE/MASTER_*).
+
+    On CPU the ranks of one node share its cores: each gets an equal share of threads, since
+    oversubscribed BLAS threads make every rank slower (PLATFORM.md: 2 cores, 2 ranks).
+    """
+    init_distributed()
+    if not torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps: int, updates_per_step: int,
+                 model_dtype: str, model_type: str = "causal_lm") -> TrainEngine:
+    """A TrainEngine from an ``optim`` config section.
+
+    The engine steps its LR schedule once per optimizer step; verl's schedules count training
+    steps, so warm-up and horizon are scaled by the optimizer steps in one training step.
+    """
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    return TrainEngine(
+        model,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        weight_decay=optim.weight_decay,
+        grad_clip=grad_clip,
+        lr_scheduler=optim.lr_scheduler_type,
+        warmup_steps=warmup * updates_per_step,
+        total_steps=max(1, total_steps) * updates_per_step,
+        min_lr_ratio=optim.min_lr_ratio,
+        param_dtype=_DTYPES[model_dtype],
+        model_type=model_type,
+    )
+
+
+def global_batch_info(mini_batch: DataProto, loss_scale_factor: float | None) -> GlobalBatchInfo:
+    """Valid tokens and sequences of the whole mini-batch on all ranks.
+
+    The engine sums gradients over micro-batches and ranks, so losses are normalised by these
+    global counts with ``dp_size=1`` (see hybridrl.algos.loss_agg).
+    """
+    tokens, seqs = count_normalizers(mini_batch.batch["response_mask"])
+    counts = torch.stack([tokens.double(), seqs.double()])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    return GlobalBatchInfo(dp_size=1, batch_num_tokens=counts[0].item(), global_batch_size=counts[1].item(),
+                           loss_scale_factor=loss_scale_factor)
+
+
+def iter_mini_batches(data: DataProto, rows_per_rank: int, epochs: int, shuffle: bool, seed: int) -> Iterator[DataProto]:
+    """``epochs`` passes over ``data`` in mini-batches of ``rows_per_rank`` rows.
+
+    Every rank draws the same permutation (same seed), so mini-batch k of each rank belongs to
+    the same optimizer step.
+    """
+    if rows_per_rank <= 0 or len(data) % rows_per_rank:
+        raise ValueError(f"{len(data)} rows on this rank do not split into mini-batches of {rows_per_rank}; "
+                         "check ppo_mini_batch_size x rollout.n against the number of workers")
+    yield from data.make_iterator(rows_per_rank, epochs=epochs, seed=seed, shuffle=shuffle)
+
+
+class LossAccumulator:
+    """Sums per-micro-batch loss shares into the mini-batch loss (exact under global normalizers)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, **values: torch.Tensor) -> None:
+        for key, value in values.items():
+            self.sums[key] += float(value.detach())
+
+    def all_reduced(self) -> dict[str, float]:
+        if not self.sums:
+            return {}
+        keys = sorted(self.sums)
+        t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
+
+
+def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the optimizer steps of one update."""
+    merged: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        for key, value in row.items():
+            merged[key].append(value)
+    return {key: float(np.mean(values)) for key, values in merged.items()}
+
+
+def micro_batching(use_dynamic_bsz: bool, micro_batch_size: int | None, max_token_len: int) -> dict:
+    """Engine keyword arguments: a token budget when dynamic, else a row count."""
+    if use_dynamic_bsz:
+        return {"max_token_len": max_token_len}
+    return {"micro_batch_size": micro_batch_size}
+
+
+LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict]]
