@@ -1,0 +1,239 @@
+"""Forward passes that drive decoding: a compact one for Llama/Qwen2 and a generic HF one.
+
+Both expose the same session interface used by the engine:
+    prefill(input_ids, attention_mask, position_ids (N,P), repeats, max_new_tokens) -> logits (N,V)
+    decode(tokens (b,), positions (b,)) -> logits (b,V)      one new token per active row
+    select(keep (k,))                                          drop finished rows from the work
+    free()                                                     release the KV cache
+
+`CompactDecoder` runs the HF modules' own weights (norms and rotary modules are called as is, so
+numerics follow HF) but fuses q/k/v and gate/up into single matmuls, keeps keys/values in a
+preallocated `StaticKVCache`, and computes single-token attention per KV head group without
+repeating keys. This removes most of HF's per-step Python and mask-building work.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from hybridrl.rollout.kv_cache import StaticKVCache
+
+COMPACT_MODEL_TYPES = ("llama", "qwen2")
+
+
+def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
+    """Whether `CompactDecoder` reproduces this model exactly, and if not, why."""
+    cfg = model.config
+    if cfg.model_type not in COMPACT_MODEL_TYPES:
+        return False, f"model_type {cfg.model_type!r} is not one of {COMPACT_MODEL_TYPES}"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return False, "sliding-window attention layers are not supported by the compact path"
+    layer = model.model.layers[0]
+    if not hasattr(layer.self_attn, "q_proj") or not hasattr(layer.mlp, "gate_proj"):
+        return False, "layer modules do not have the Llama q/k/v/o and gate/up/down projections"
+    return True, ""
+
+
+@dataclass
+class _FusedLayer:
+    """One decoder layer's weights as (in, out) matrices, q/k/v and gate/up concatenated along out.
+
+    Pre-transposed contiguous (in, out) copies because `x @ W` with a row-major (in, out) matrix
+    ran up to ~1.5x faster than `F.linear(x, W)` for the skinny (32 x 576) decode matmuls on
+    this CPU (MKL/oneDNN fp32, measured in benchmarks/rollout_bench.py's setting).
+    """
+
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o: torch.Tensor
+    o_b: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ weight (in, out) + bias."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def _t(*weights: torch.Tensor) -> torch.Tensor:
+    """Concatenate (out, in) weights along out and store as a contiguous (in, out) matrix."""
+    return torch.cat(weights).t().contiguous()
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotary embedding (rotate-half form). x (b,h,t,D); cos/sin (b,t,D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class CompactDecoder:
+    """Llama/Qwen2 forward on a static KV cache (see module docstring)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        ok, why = supports_compact(model)
+        if not ok:
+            raise ValueError(f"CompactDecoder cannot run {type(model).__name__}: {why}")
+        self.model = model
+        attn = model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = model.config.num_attention_heads
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.scaling = attn.scaling
+        self.act = model.model.layers[0].mlp.act_fn
+        self.layers: list[_FusedLayer] = []
+        self.refresh_weights()
+        param = next(model.parameters())
+        self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim, param.dtype)
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Rebuild the fused weights from the model's current parameters (after a weight update)."""
+        self.layers = []
+        for layer in self.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(
+                _FusedLayer(
+                    qkv=_t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                    qkv_b=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    o=_t(a.o_proj.weight),
+                    o_b=a.o_proj.bias,
+                    gate_up=_t(m.gate_proj.weight, m.up_proj.weight),
+                    gate_up_b=_cat_bias(m.gate_proj, m.up_proj),
+                    down=_t(m.down_proj.weight),
+                    down_b=m.down_proj.bias,
+                )
+            )
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        repeats: int,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """Run the prompts (N,P), fill cache slots [0, P), repeat rows G times; logits (N,V) at P-1."""
+        rows, plen = input_ids.shape
+        self.cache.allocate(rows, rows * repeats, plen + max_new_tokens, input_ids.device)
+        key_ok = attention_mask.bool()
+        self.cache.valid[:rows, :plen] = key_ok
+        causal = torch.ones(plen, plen, dtype=torch.bool, device=input_ids.device).tril()
+        # Pad queries (left padding) would see no key at all and give NaN: let them see themselves.
+        mask = (causal & key_ok[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=input_ids.device)
+        hidden = self._forward(input_ids, position_ids, mask[:, None], start=0)
+        self.cache.length = plen
+        self.cache.repeat_rows(repeats)
+        return self._logits(hidden[:, -1])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed one token per active row at the next slot; tokens/positions (b,); logits (b,V)."""
+        start = self.cache.length
+        self.cache.length += 1
+        hidden = self._forward(tokens[:, None], positions[:, None], self.cache.attention_mask(), start)
+        return self._logits(hidden[:, -1])
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.select(keep)
+
+    def free(self) -> None:
+        self.cache.free()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+        """Hidden states (b,t,E) before the final norm; writes each layer's keys/values at `start`."""
+        hidden = self.model.model.embed_tokens(ids)
+        cos, sin = self.model.model.rotary_emb(hidden, pos)
+        for index, (fused, layer) in enumerate(zip(self.layers, self.model.model.layers)):
+            attn_in = layer.input_layernorm(hidden)
+            hidden = hidden + self._attention(index, fused, attn_in, cos, sin, mask, start)
+            mlp_in = layer.post_attention_layernorm(hidden)
+            gate, up = _dense(mlp_in, fused.gate_up, fused.gate_up_b).chunk(2, dim=-1)
+            hidden = hidden + _dense(self.act(gate) * up, fused.down, fused.down_b)
+        return hidden
+
+    def _attention(self, index, fused, x, cos, sin, mask, start) -> torch.Tensor:
+        """Self-attention of x (b,t,E) over the cache; t > 1 is prefill (keys = x's own)."""
+        b, t, _ = x.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = _dense(x, fused.qkv, fused.qkv_b).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = _rotate(q.view(b, t, hq, d).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
+        v = v.view(b, t, hkv, d).transpose(1, 2)
+        self.cache.write(index, start, k, v)
+        if t > 1:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=hq != hkv)
+            out = out.transpose(1, 2).reshape(b, t, hq * d)
+        else:
+            # One query per row: the G = hq/hkv query heads sharing a KV head (HF's repeat_kv order
+            # puts them next to each other) become G "query positions" of that KV head.
+            keys, values = self.cache.view(index)
+            out = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask, scale=self.scaling)
+            out = out.reshape(b, 1, hq * d)
+        return _dense(out, fused.o, fused.o_b)
+
+
+class HFDecoder:
+    """Generic path: the HF model's own forward with a `DynamicCache` (any causal LM)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (b, filled slots) attention mask of the active rows
+        # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes).
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def refresh_weights(self) -> None:
+        """Nothing is derived from the weights here."""
+
+    def prefill(self, input_ids, attention_mask, position_ids, repeats, max_new_tokens) -> torch.Tensor:
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kwarg: self.cache},
+        )
+        self.cache.batch_repeat_interleave(repeats)
+        self.mask = attention_mask.repeat_interleave(repeats, dim=0)
+        return out.logits[:, -1]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions[:, None],
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+        )
+        return out.logits[:, -1]
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.mask = self.mask[keep]
+
+    def free(self) -> None:
+        self.cache, self.mask = None, None
