@@ -79,9 +79,9 @@ def field_default(info: KeyInfo) -> Any:
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-@functools.lru_cache(maxsize=1)
-def all_keys() -> tuple[str, ...]:
-    """Every leaf key path of the schema, in declaration order."""
+@functools.lru_cache(maxsize=4)
+def all_keys(root: type = HybridRLConfig) -> tuple[str, ...]:
+    """Every leaf key path of the schema rooted at ``root``, in declaration order."""
     out: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -92,13 +92,13 @@ def all_keys() -> tuple[str, ...]:
             else:
                 out.append(prefix + field.name)
 
-    walk(HybridRLConfig, "")
+    walk(root, "")
     return tuple(out)
 
 
-def suggest(key: str, limit: int = 4) -> list[str]:
+def suggest(key: str, limit: int = 4, root: type = HybridRLConfig) -> list[str]:
     """Closest valid keys: by the whole path, then by the last name in other sections."""
-    keys = all_keys()
+    keys = all_keys(root)
     close = difflib.get_close_matches(key, keys, n=limit, cutoff=0.75)
     last = key.rsplit(".", 1)[-1]
     by_name = {k.rsplit(".", 1)[-1]: k for k in keys}

@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,44 +38,70 @@ DEPRECATED_GLOBAL_MICRO = (
 )
 
 
-def load_config(overrides: Iterable[str] = (), preset: str | None = DEFAULT_PRESET) -> HybridRLConfig:
-    """Build the validated, frozen config.
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """One family of configs the loader builds (the RL trainer's, the SFT trainer's, ...).
+
+    root: the frozen root dataclass; its ``trainer`` section must have ``device``, ``nnodes``,
+    ``n_gpus_per_node`` and ``n_cpu_workers`` (device resolution and world-size arithmetic).
+    validate: ``cfg -> list of problems``. find_unsupported / renamed / unsupported_values: the verl
+    keys and values outside ``root`` (see ``verl_compat``). global_micro: deprecated global micro-batch
+    keys folded into per-device keys.
+    """
+
+    root: type
+    validate: Callable[[Any], list[str]]
+    find_unsupported: Callable[[str], verl_compat.Unsupported | None] = verl_compat.find_unsupported
+    renamed: Mapping[str, str] = dataclasses.field(default_factory=lambda: verl_compat.RENAMED)
+    unsupported_values: Mapping[tuple[str, Any], str] = dataclasses.field(
+        default_factory=lambda: verl_compat.UNSUPPORTED_VALUES)
+    global_micro: tuple[tuple[str, str], ...] = DEPRECATED_GLOBAL_MICRO
+
+
+RL_SCHEMA = Schema(HybridRLConfig, validate)
+
+
+def load_config(
+    overrides: Iterable[str] = (), preset: str | None = DEFAULT_PRESET, schema: Schema = RL_SCHEMA
+) -> Any:
+    """Build the validated, frozen config (a ``schema.root``; by default a ``HybridRLConfig``).
 
     Args:
         overrides: Hydra-style strings, applied in order after the preset (``a.b=1``, ``+a.b=1``,
             ``++a.b=1``, ``~a.b``).
         preset: a name in ``hybridrl/config/presets`` (without ``.yaml``), a path to a YAML file
             (e.g. a dumped ``config.yaml`` of a checkpoint), or None for the schema defaults.
+        schema: which config family to build (``RL_SCHEMA``: the PPO/GRPO trainer's).
 
     Raises:
         ConfigError: listing every offending key with what is allowed.
     """
-    tree = copy.deepcopy(_schema_tree())
+    tree = copy.deepcopy(_schema_tree(schema.root))
     errors: list[str] = []
     if preset is not None:
         path = preset_path(preset)
-        for op in preset_overrides(path):
-            _apply(tree, op, errors, origin=f"preset {path.name}")
+        for op in preset_overrides(path, schema.root):
+            _apply(tree, op, errors, f"preset {path.name}", schema)
     for text in overrides:
         try:
             op = parse_override(text)
         except ConfigError as err:
             errors.append(str(err))
             continue
-        _apply(tree, op, errors, origin="override")
+        _apply(tree, op, errors, "override", schema)
     _raise_if(errors)
     _resolve_device(tree)
-    _fold_global_micro_batches(tree, errors)
+    _fold_global_micro_batches(tree, errors, schema.global_micro)
     _raise_if(errors)
     cfg = _to_object(tree)
-    _raise_if(validate(cfg))
+    _raise_if(schema.validate(cfg))
     return cfg
 
 
-@functools.lru_cache(maxsize=1)
-def _schema_tree() -> DictConfig:
+@functools.lru_cache(maxsize=4)
+def _schema_tree(root: type) -> DictConfig:
     """The schema defaults as a writable OmegaConf tree; built once (slow), deep-copied per load (fast)."""
-    return _unfrozen(OmegaConf.structured(HybridRLConfig))
+    return _unfrozen(OmegaConf.structured(root))
 
 
 def _unfrozen(node: Any) -> Any:
@@ -108,7 +134,7 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def preset_overrides(path: Path) -> list[Override]:
+def preset_overrides(path: Path, root: type = HybridRLConfig) -> list[Override]:
     """The leaves of a preset YAML as ``++key=value`` operations (a preset may fill extension dicts)."""
     try:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
@@ -118,16 +144,16 @@ def preset_overrides(path: Path) -> list[Override]:
         return []
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return [Override("force", key, value, f"{key}: {value!r}") for key, value in _flatten(data, "")]
+    return [Override("force", key, value, f"{key}: {value!r}") for key, value in _flatten(data, "", root)]
 
 
-def _flatten(data: dict, prefix: str) -> list[tuple[str, Any]]:
+def _flatten(data: dict, prefix: str, root: type) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for name, value in data.items():
         key = f"{prefix}{name}"
-        info = keyspace.lookup(key)
+        info = keyspace.lookup(key, root)
         if isinstance(value, dict) and value and info.kind not in ("leaf", "extension"):
-            out += _flatten(value, key + ".")
+            out += _flatten(value, key + ".", root)
         else:
             out.append((key, value))
     return out
@@ -140,30 +166,31 @@ def _raise_if(errors: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------- applying ops
-def _apply(tree: DictConfig, op: Override, errors: list[str], origin: str) -> None:
+def _apply(tree: DictConfig, op: Override, errors: list[str], origin: str, schema: Schema = RL_SCHEMA) -> None:
     """Apply one operation, appending a message to ``errors`` instead of raising."""
     key = op.key
-    if key in verl_compat.RENAMED:
-        new = verl_compat.RENAMED[key]
+    if key in schema.renamed:
+        new = schema.renamed[key]
         warnings.warn(f"{origin} {op.text!r}: {key} was renamed in verl to {new}; using {new}", ConfigWarning, stacklevel=3)
         key = new
-    info = keyspace.lookup(key)
+    info = keyspace.lookup(key, schema.root)
     if info.kind == "section" and isinstance(op.value, dict):
-        for sub_key, sub_value in _flatten(op.value, key + "."):
-            _apply(tree, dataclasses.replace(op, key=sub_key, value=sub_value), errors, origin)
+        for sub_key, sub_value in _flatten(op.value, key + ".", schema.root):
+            _apply(tree, dataclasses.replace(op, key=sub_key, value=sub_value), errors, origin, schema)
         return
     if info.kind == "unknown":
-        _apply_outside_schema(op, key, errors, origin)
+        _apply_outside_schema(op, key, errors, origin, schema)
     elif info.kind == "extension":
         _apply_extension(tree, op, key, errors, origin)
     elif op.op == "delete":
-        _reset(tree, op, key, info, errors, origin)
+        _reset(tree, op, key, info, errors, origin, schema)
     else:
-        _set(tree, key, op.value, info, errors, origin, op.text)
+        _set(tree, key, op.value, info, errors, origin, op.text, schema)
 
 
-def _set(tree: DictConfig, key: str, value: Any, info: keyspace.KeyInfo, errors: list[str], origin: str, text: str) -> None:
-    bad_value = verl_compat.UNSUPPORTED_VALUES.get((key, value)) if isinstance(value, str) else None
+def _set(tree: DictConfig, key: str, value: Any, info: keyspace.KeyInfo, errors: list[str], origin: str, text: str,
+         schema: Schema = RL_SCHEMA) -> None:
+    bad_value = schema.unsupported_values.get((key, value)) if isinstance(value, str) else None
     if bad_value:
         errors.append(f"{origin} {text!r}: {key}={value} is not supported: {bad_value}")
         return
@@ -183,7 +210,8 @@ def _set(tree: DictConfig, key: str, value: Any, info: keyspace.KeyInfo, errors:
         errors.append(f"{origin} {text!r}: {key} must be {expected}, got {value!r} ({detail})")
 
 
-def _reset(tree: DictConfig, op: Override, key: str, info: keyspace.KeyInfo, errors: list[str], origin: str) -> None:
+def _reset(tree: DictConfig, op: Override, key: str, info: keyspace.KeyInfo, errors: list[str], origin: str,
+           schema: Schema = RL_SCHEMA) -> None:
     """``~key`` on a schema key puts back its schema default (schema keys cannot be removed)."""
     if op.has_value and OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(tree, key)}))["v"] != op.value:
         errors.append(f"{origin} {op.text!r}: {key} is not {op.value!r}; ~key=value deletes only a matching value")
@@ -191,7 +219,7 @@ def _reset(tree: DictConfig, op: Override, key: str, info: keyspace.KeyInfo, err
     default = keyspace.field_default(info)
     if dataclasses.is_dataclass(default):
         default = _unfrozen(OmegaConf.structured(default))
-    _set(tree, key, default, info, errors, origin, op.text)
+    _set(tree, key, default, info, errors, origin, op.text, schema)
 
 
 def _apply_extension(tree: DictConfig, op: Override, key: str, errors: list[str], origin: str) -> None:
@@ -217,15 +245,15 @@ def _apply_extension(tree: DictConfig, op: Override, key: str, errors: list[str]
 _ABSENT = object()
 
 
-def _apply_outside_schema(op: Override, key: str, errors: list[str], origin: str) -> None:
+def _apply_outside_schema(op: Override, key: str, errors: list[str], origin: str, schema: Schema = RL_SCHEMA) -> None:
     """verl keys hybridrl does not have: accepted when they switch the feature off, else an error."""
     if isinstance(op.value, dict) and op.value:
-        for sub_key, sub_value in _flatten(op.value, key + "."):
-            _apply_outside_schema(dataclasses.replace(op, key=sub_key, value=sub_value), sub_key, errors, origin)
+        for sub_key, sub_value in _flatten(op.value, key + ".", schema.root):
+            _apply_outside_schema(dataclasses.replace(op, key=sub_key, value=sub_value), sub_key, errors, origin, schema)
         return
-    entry = verl_compat.find_unsupported(key)
+    entry = schema.find_unsupported(key)
     if entry is None:
-        close = keyspace.suggest(key)
+        close = keyspace.suggest(key, root=schema.root)
         hint = f"; did you mean {', '.join(close)}?" if close else "; run `hybridrl config show` to list the keys"
         errors.append(f"{origin} {op.text!r}: unknown key {key}{hint}")
     elif op.op == "delete" or verl_compat.is_noop(entry, op.value):
@@ -251,10 +279,12 @@ def _world_size(tree: DictConfig) -> int:
     return int(trainer.nnodes) * int(per_node)
 
 
-def _fold_global_micro_batches(tree: DictConfig, errors: list[str]) -> None:
+def _fold_global_micro_batches(
+    tree: DictConfig, errors: list[str], pairs: tuple[tuple[str, str], ...] = DEPRECATED_GLOBAL_MICRO
+) -> None:
     """verl's deprecated global micro batch sizes are divided by the world size (verl does the same)."""
     world = _world_size(tree)
-    for global_key, per_gpu_key in DEPRECATED_GLOBAL_MICRO:
+    for global_key, per_gpu_key in pairs:
         total, per_gpu = OmegaConf.select(tree, global_key), OmegaConf.select(tree, per_gpu_key)
         if total is None:
             continue
@@ -270,7 +300,7 @@ def _fold_global_micro_batches(tree: DictConfig, errors: list[str]) -> None:
             OmegaConf.update(tree, global_key, None, merge=False)  # folded: downstream reads *_per_gpu only
 
 
-def _to_object(tree: DictConfig) -> HybridRLConfig:
+def _to_object(tree: DictConfig) -> Any:
     try:
         return OmegaConf.to_object(tree)
     except OmegaConfBaseException as err:
@@ -280,7 +310,7 @@ def _to_object(tree: DictConfig) -> HybridRLConfig:
 
 
 # ---------------------------------------------------------------------------------------- exporting
-def config_to_dict(cfg: HybridRLConfig) -> dict[str, Any]:
+def config_to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict (lists for tuples) of a resolved config, ready for YAML/JSON."""
 
     def plain(value: Any) -> Any:
@@ -293,8 +323,9 @@ def config_to_dict(cfg: HybridRLConfig) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
-def dump_config_yaml(cfg: HybridRLConfig, path: str | Path | None = None) -> str:
-    """The resolved config as YAML (written to ``path`` if given); ``load_config(preset=path)`` reloads it."""
+def dump_config_yaml(cfg: Any, path: str | Path | None = None) -> str:
+    """The resolved config as YAML (written to ``path`` if given); ``load_config(preset=path)`` reloads it
+    (with the same ``schema``)."""
     text = OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg)))
     if path is not None:
         Path(path).write_text(text)
