@@ -281,7 +281,7 @@ def _centered_product(advantages, log_prob, response_mask) -> torch.Tensor:
     )
 
 
-@register_policy_loss("clip_cov")
+@POLICY_LOSSES.register("clip_cov", "clip-cov")  # verl's docs spell it with a hyphen
 def clip_cov(
     old_log_prob,
     log_prob,
@@ -325,7 +325,7 @@ def clip_cov(
     )
 
 
-@register_policy_loss("kl_cov")
+@POLICY_LOSSES.register("kl_cov", "kl-cov")
 def kl_cov(
     old_log_prob,
     log_prob,

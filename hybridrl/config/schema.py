@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = (
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-    "grpo_passk", "gpg",
-)
-POLICY_LOSS_MODES = ("vanilla", "clip-cov", "kl-cov", "gpg", "gspo")
+import hybridrl.algos as _algos
+
+# Algorithm names come from the registries of hybridrl.algos, so the config accepts exactly what
+# the math implements.
+LOSS_AGG_MODES = _algos.LOSS_AGG_MODES
+KL_TYPES = tuple(_algos.KL_PENALTIES.names())
+ADV_ESTIMATORS = tuple(_algos.ADV_ESTIMATORS.names())
+POLICY_LOSS_MODES = tuple(_algos.POLICY_LOSSES.names())
 STRATEGIES = ("fsdp", "fsdp2")
 LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 
@@ -388,6 +389,8 @@ class TrainerConfig:
     val_only: bool = opt(False, "validate and exit")
     critic_warmup: int = opt(0, "steps that update only the critic")
     balance_batch: bool = opt(True, "reorder sequences so each rank gets a similar token count")
+    nan_policy: str = opt("skip", "hybridrl: NaN/Inf in rewards, advantages, loss or gradients: skip that update and count it in training/skipped_steps (verl's behaviour), or stop the run with the step, phase and rank", ("skip", "stop"))
+    preflight: str = opt("error", "hybridrl: memory estimate before workers start: refuse a run that cannot fit (error), only warn, or off", ("error", "warn", "off"))
     default_local_dir: str = opt("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint root (global_step_<N>/ below it)")
     resume_mode: str = opt("auto", "auto: latest checkpoint if any; disable; resume_path: resume_from_path", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint folder for resume_mode=resume_path")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridrl.rewards import countdown, gsm8k, math_answer, synthetic
+from hybridrl.rewards import code, countdown, gsm8k, math_answer, synthetic
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = (
@@ -20,6 +20,7 @@ _ROUTES: dict[str, Callable[..., float]] = {
     "hybridrl/addition": synthetic.addition_score,
     "hybridrl/reverse": synthetic.reverse_score,
     "hybridrl/sort": synthetic.sort_score,
+    code.DATA_SOURCE: code.compute_score,  # runs the program in hybridrl.rewards.sandbox
 }
 
 

@@ -5,15 +5,18 @@
         global_step_<N>/
             actor/   critic/                   written by the workers (one shard file per rank)
             trainer_state.pt                   step, data-loader position, controller state
+            MANIFEST.json                      relative path -> size of every file above
             COMPLETE                           written last
 
 A checkpoint is written into ``global_step_<N>.tmp`` and renamed only when every part is on disk,
 then the tracker file is replaced atomically, so a run killed while saving never leaves a
-half-written checkpoint that resume would pick up.
+half-written checkpoint that resume would pick up. The manifest catches what the rename cannot: a
+file truncated or overwritten later (a full disk, a bad copy) is named at resume, before loading.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +24,7 @@ from pathlib import Path
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST_FILE = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -41,6 +45,7 @@ def commit_checkpoint(root: str | os.PathLike, step: int, max_to_keep: int | Non
     """Publish a staged checkpoint: mark complete, rename into place, update the tracker, rotate."""
     root = Path(root)
     staged = root / f"global_step_{step}.tmp"
+    _write_manifest(staged)
     (staged / COMPLETE_MARKER).write_text(str(step))
     final = root / f"global_step_{step}"
     if final.exists():
@@ -104,7 +109,42 @@ def find_resume_checkpoint(root: str | os.PathLike, resume_mode: str, resume_fro
 def _check_complete(path: Path, root: str | os.PathLike) -> None:
     if path.is_dir() and (path / COMPLETE_MARKER).exists():
         return
-    others = [p.name for p in list_checkpoints(root) if p != path]
-    hint = f"; complete checkpoints: {others} (resume one with trainer.resume_mode=resume_path " \
-           f"trainer.resume_from_path=<dir>)" if others else "; no complete checkpoint was found"
-    raise CheckpointError(f"checkpoint {path} is missing or incomplete{hint}")
+    raise CheckpointError(f"checkpoint {path} is missing or incomplete{_other_checkpoints_hint(path, root)}")
+
+
+def _other_checkpoints_hint(path: Path, root: str | os.PathLike) -> str:
+    others = [str(p) for p in list_checkpoints(root) if p.resolve() != Path(path).resolve()]
+    if not others:
+        return "; no other complete checkpoint was found"
+    return (f"; other complete checkpoints: {others}; resume the newest of them with trainer.resume_mode=resume_path "
+            f"trainer.resume_from_path={others[-1]}")
+
+
+def _write_manifest(folder: Path) -> None:
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+    (folder / MANIFEST_FILE).write_text(json.dumps(sizes, indent=1))
+
+
+def verify_checkpoint(path: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Check that every file listed in ``MANIFEST.json`` exists with the size it was written with.
+
+    Raises :class:`CheckpointError` naming the first bad file and offering the other complete
+    checkpoints under ``root``. Sizes, not hashes: they catch truncation at no cost even for
+    checkpoints of hundreds of GB. Checkpoints written before manifests existed pass unchecked.
+    """
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if not manifest.exists():
+        return
+    try:
+        sizes = json.loads(manifest.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {manifest} is not valid JSON ({err})"
+                              f"{_other_checkpoints_hint(path, root)}") from None
+    for rel, size in sizes.items():
+        file = path / rel
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            found = "is missing" if actual is None else f"has {actual} bytes"
+            raise CheckpointError(f"checkpoint {path} is corrupted: {file} {found}, {size} were written "
+                                  f"(truncated, deleted or overwritten){_other_checkpoints_hint(path, root)}")

@@ -8,17 +8,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 from hybridrl.config import config_to_dict, dump_config_yaml, load_config
 from hybridrl.config.cli import split_preset
 from hybridrl.config.errors import ConfigError
+from hybridrl.config.validate import critic_in_use
 from hybridrl.data import PromptDataLoader, RLHFDataset
 from hybridrl.models import load_tokenizer
 from hybridrl.rewards import OverlongBuffer, RewardManager, load_reward_function
 from hybridrl.trainer.ppo_trainer import PPOTrainer
 from hybridrl.trainer.tracking import Tracking
+from hybridrl.utils.preflight import PreflightError, check_memory
 
 
 def build_dataset(config, tokenizer, files) -> RLHFDataset:
@@ -61,20 +65,68 @@ def total_training_steps(config, train_loader) -> int:
     return int(trainer.total_training_steps or len(train_loader) * trainer.total_epochs)
 
 
+def check_model_paths(config) -> None:
+    """A local model folder that is missing or has no ``config.json`` fails here, naming its key,
+    not deep inside transformers. Hub ids (``org/name``, not on disk) pass through."""
+    paths = {"actor_rollout_ref.model.path": config.actor_rollout_ref.model.path}
+    if critic_in_use(config):
+        paths["critic.model.path"] = config.critic.model.path
+    for key, value in paths.items():
+        path = Path(value).expanduser()
+        if not path.exists() and str(value).startswith(("/", "~", ".")):
+            raise FileNotFoundError(f"{key}={value}: no such folder")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{key}={value}: not a Hugging Face model folder (no config.json; expected "
+                                    "config.json, *.safetensors and tokenizer files)")
+
+
+def load_prompt_tokenizer(config):
+    """The tokenizer that templates prompts, with ``model.custom_chat_template`` applied; prompts are
+    chat messages, so a tokenizer without a chat template is refused here, naming the fix."""
+    model = config.actor_rollout_ref.model
+    path = config.data.tokenizer or model.tokenizer_path or model.path
+    tokenizer = load_tokenizer(path, trust_remote_code=model.trust_remote_code)
+    if model.custom_chat_template:
+        tokenizer.chat_template = model.custom_chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer at {path} has no chat template (or an empty one), and prompts are chat "
+                         "messages: add chat_template.jinja to that folder or set "
+                         "actor_rollout_ref.model.custom_chat_template")
+    return tokenizer
+
+
+def save_config(config, run_dir: Path) -> None:
+    """Write ``run_dir/config.yaml``; an earlier run's different config there is kept as
+    ``config.<its mtime>.yaml`` (a resumed or restarted run must not erase what the folder held)."""
+    path = run_dir / "config.yaml"
+    tmp = run_dir / "config.yaml.tmp"
+    dump_config_yaml(config, tmp)
+    if path.exists() and path.read_bytes() != tmp.read_bytes():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        keep, n = run_dir / f"config.{stamp}.yaml", 1
+        while keep.exists():
+            keep, n = run_dir / f"config.{stamp}.{n}.yaml", n + 1
+        path.rename(keep)
+    os.replace(tmp, path)
+
+
 def run(config) -> dict[str, float]:
-    """Build tokenizer, data, rewards, workers and trackers from ``config`` and train."""
+    """Build tokenizer, data, rewards, workers and trackers from ``config`` and train.
+
+    Everything that can be checked without workers (model folders, tokenizer, data files, reward
+    function, memory) is checked before the run folder is written to or a worker starts."""
     from hybridrl.trainer.workers import PPOWorkers  # imports torch/transformers/ray: after config errors
 
-    model = config.actor_rollout_ref.model
-    tokenizer = load_tokenizer(config.data.tokenizer or model.tokenizer_path or model.path,
-                               trust_remote_code=model.trust_remote_code)
+    check_model_paths(config)
+    tokenizer = load_prompt_tokenizer(config)
     train_loader, val_loader = build_loaders(config, tokenizer)
     steps = total_training_steps(config, train_loader)
-    run_dir = Path(config.trainer.default_local_dir).expanduser()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config_yaml(config, run_dir / "config.yaml")
     reward_fn = build_reward_manager(config, tokenizer)
     val_reward_fn = build_reward_manager(config, tokenizer, for_validation=True)
+    check_memory(config)  # before any worker starts: a run that cannot fit is refused with the knob to turn
+    run_dir = Path(config.trainer.default_local_dir).expanduser()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir)
     tracking = Tracking(config.trainer.logger, run_dir, config.trainer.project_name,
                         config.trainer.experiment_name, config_to_dict(config))
     workers = PPOWorkers(config, steps)
@@ -96,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"hybridrl: invalid config\n{err}", file=sys.stderr)
         return 1
-    run(config)
+    try:
+        run(config)
+    except PreflightError as err:
+        print(f"hybridrl: refused to start\n{err}", file=sys.stderr)
+        return 1
     return 0
 
 

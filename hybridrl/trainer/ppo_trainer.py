@@ -23,14 +23,23 @@ from hybridrl import algos
 from hybridrl.engine.seqlen_balancing import balance_across_ranks
 from hybridrl.protocol import DataProto, to_object_array
 from hybridrl.trainer import checkpoint as ckpt
+from hybridrl.trainer.dumps import dump_batch
 from hybridrl.trainer.metrics import (
     Timer,
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
 )
+from hybridrl.utils import numerics
+from hybridrl.utils.faults import maybe_inject
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def columns_of(rows) -> dict[str, list]:
+    """Per-row dicts -> dict of per-key lists (the reward manager's ``reward_extra_info`` layout)."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: [row.get(k) for row in rows] for k in keys}
 
 
 def merge_columns(batch: DataProto, out: DataProto) -> DataProto:
@@ -75,6 +84,7 @@ class PPOTrainer:
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon) \
             if alg.use_kl_in_reward else None
         self.global_step = 0
+        self.skipped_steps = 0  # steps whose update was skipped for NaN/Inf (trainer.nan_policy=skip)
         self.total_steps = self._total_steps()
 
     # ------------------------------------------------------------------------------- the loop
@@ -104,6 +114,9 @@ class PPOTrainer:
         with timer("step"):
             batch = self.collect_batch(timer, metrics)
             batch.meta_info["global_step"] = self.global_step
+            if self.config.trainer.rollout_data_dir:
+                dump_batch(self.config.trainer.rollout_data_dir, self.global_step, self.reward_fn.tokenizer,
+                           batch, columns_of(batch.non_tensor_batch["reward_extra"]))
             if self.config.trainer.balance_batch:
                 batch = self.balance_batch(batch)
             with timer("old_log_prob"):
@@ -116,20 +129,29 @@ class PPOTrainer:
                     batch = merge_columns(batch, self.workers.compute_values(batch))
             with timer("adv"):
                 batch = self.compute_rewards_and_advantages(batch, metrics)
-            if self.use_critic:
+            finite = numerics.check_batch(batch.batch, self.global_step, self.config.trainer.nan_policy)
+            if self.use_critic and finite:
                 with timer("update_critic"):
                     metrics.update(self.workers.update_critic(batch))
-            if self.global_step > self.config.trainer.critic_warmup:
+            if finite and self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor"):
                     metrics.update(self.workers.update_actor(batch))
                 with timer("update_weights"):
                     self.workers.sync_weights()
+        self.count_skipped(finite, metrics)
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
         metrics.update(compute_throughput_metrics(batch, time.perf_counter() - start, self.workers.world_size))
         metrics["training/global_step"] = float(self.global_step)
         metrics["training/epoch"] = float(self.train_loader.sampler.epoch)
         return metrics
+
+    def count_skipped(self, finite: bool, metrics: dict[str, float]) -> None:
+        """``training/skipped_steps``: steps so far in which NaN/Inf made the driver skip the
+        updates or a worker skip an optimizer step (trainer.nan_policy=skip, hybridrl.utils.numerics)."""
+        skipped = not finite or any(metrics.get(f"{role}/skipped_updates", 0.0) > 0 for role in ("actor", "critic"))
+        self.skipped_steps += int(skipped)
+        metrics["training/skipped_steps"] = float(self.skipped_steps)
 
     # ------------------------------------------------------------------------------- stages
     def collect_batch(self, timer: Timer, metrics: dict[str, float]) -> DataProto:
@@ -169,34 +191,43 @@ class PPOTrainer:
         """Rollout for one prompt batch: returns B = N*n rows, samples of a prompt adjacent."""
         if "uid" not in prompts.non_tensor_batch:
             prompts.non_tensor_batch["uid"] = to_object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
-        gen_in = prompts.select(batch_keys=GEN_KEYS, non_tensor_batch_keys=[])
+        # multi-turn rollouts read tools_kwargs / interaction_kwargs (extra_info) and the messages
+        multi_turn = self.config.actor_rollout_ref.rollout.multi_turn.enable
+        gen_keys = [k for k in ("extra_info", "raw_prompt") if multi_turn and k in prompts.non_tensor_batch]
+        gen_in = prompts.select(batch_keys=GEN_KEYS, non_tensor_batch_keys=gen_keys)
         gen_in.meta_info = {"validate": validate, "global_step": self.global_step}
         out = self.workers.generate_sequences(gen_in)
         repeat = len(out) // len(prompts)
-        rest = prompts.select(batch_keys=[k for k in prompts.batch if k not in GEN_KEYS])
+        # a column the rollout returns (the agent loop's extra_info with num_turns) replaces the prompt's
+        rest = prompts.select(batch_keys=[k for k in prompts.batch if k not in GEN_KEYS],
+                              non_tensor_batch_keys=[k for k in prompts.non_tensor_batch if k not in out.non_tensor_batch])
         merged = merge_columns(rest.repeat(repeat, interleave=True), out)
         merged.meta_info = {k: v for k, v in out.meta_info.items() if k != "metrics"}
         return merged
 
     def score(self, batch: DataProto, reward_fn: Callable, metrics: dict[str, float]) -> DataProto:
-        """``token_level_scores`` from the reward manager; its per-sample extras stay in meta_info
-        (``reward_extra``) for dynamic sampling, and its metrics join the step's."""
+        """``token_level_scores`` from the reward manager; its per-sample extras ride along as the
+        non-tensor column ``reward_extra`` (one dict per row, so filtering and reordering keep them
+        aligned), and its metrics join the step's."""
         scores, extra = reward_fn(batch)
         batch.batch["token_level_scores"] = scores
         metrics.update({k: float(v) for k, v in extra.get("metrics", {}).items()})
-        batch.meta_info["reward_extra"] = extra.get("reward_extra_info", {})
+        per_sample = extra.get("reward_extra_info", {})
+        batch.non_tensor_batch["reward_extra"] = to_object_array(
+            [{k: v[i] for k, v in per_sample.items()} for i in range(len(batch))])
         return batch
 
     def filter_groups(self, batch: DataProto, metric: str) -> DataProto:
         """Keep the groups (same uid) whose ``metric`` per sequence varies (DAPO, arXiv 2503.14476)."""
-        if metric in ("seq_final_reward", "seq_reward", "score"):
+        rows = batch.non_tensor_batch["reward_extra"]
+        if metric in ("seq_final_reward", "seq_reward"):
             values = batch.batch["token_level_scores"].sum(-1).numpy()
+        elif metric in rows[0] or metric == "acc":
+            # a scorer that returns a plain float has no "acc": its score is the accuracy
+            values = np.asarray([row.get(metric, row.get("score")) for row in rows], dtype=np.float64)
         else:
-            extra = batch.meta_info.get("reward_extra", {})
-            if metric not in extra:
-                raise KeyError(f"algorithm.filter_groups.metric={metric!r} is not a reward output; "
-                               f"available: ['seq_reward', 'seq_final_reward', {', '.join(map(repr, extra))}]")
-            values = np.asarray(extra[metric], dtype=np.float64)
+            raise KeyError(f"algorithm.filter_groups.metric={metric!r} is not a reward output; "
+                           f"available: ['seq_reward', 'seq_final_reward', {', '.join(map(repr, rows[0]))}]")
         uids = batch.non_tensor_batch["uid"]
         by_uid: dict[str, list[float]] = {}
         for uid, v in zip(uids, values):
@@ -261,10 +292,13 @@ class PPOTrainer:
         outputs go under ``val-aux/``."""
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         per_source: dict[str, dict[str, list[float]]] = {}
+        dumped: list[DataProto] = []
         for prompts in self.val_loader:
             batch = self.generate(prompts, validate=True)
             scores, extra = self.val_reward_fn(batch)
             extra = extra.get("reward_extra_info", {})
+            batch.batch["token_level_scores"] = scores
+            dumped.append(batch)
             seq_scores = scores.sum(-1).tolist()
             for i, src in enumerate(batch.non_tensor_batch[self.config.data.reward_fn_key]):
                 slot = per_source.setdefault(str(src), {})
@@ -272,6 +306,9 @@ class PPOTrainer:
                 for key, values in extra.items():
                     if key != "score" and isinstance(values[i], int | float):
                         slot.setdefault(key, []).append(float(values[i]))
+        if self.config.trainer.validation_data_dir and dumped:
+            joined = DataProto.concat([d.select(non_tensor_batch_keys=[]) for d in dumped])
+            dump_batch(self.config.trainer.validation_data_dir, self.global_step, self.val_reward_fn.tokenizer, joined)
         out: dict[str, float] = {}
         for src, series in per_source.items():
             core = "acc" if "acc" in series else "reward"
@@ -285,7 +322,9 @@ class PPOTrainer:
         trainer = self.config.trainer
         stage = ckpt.staging_dir(trainer.default_local_dir, self.global_step)
         self.workers.save_checkpoint(str(stage))
-        state = {"global_step": self.global_step, "data": self.train_loader.state_dict(),
+        maybe_inject("commit_checkpoint")  # drill: a driver killed with shards written, not yet published
+        state = {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                 "data": self.train_loader.state_dict(),
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
                  "rng": torch.get_rng_state(), "np_rng": np.random.get_state()}
         torch.save(state, stage / "trainer_state.pt")
@@ -296,9 +335,11 @@ class PPOTrainer:
         path = ckpt.find_resume_checkpoint(trainer.default_local_dir, trainer.resume_mode,
                                            trainer.resume_from_path)
         if path is not None:
+            ckpt.verify_checkpoint(path, trainer.default_local_dir)
             self.workers.load_checkpoint(str(path))
             state = torch.load(path / "trainer_state.pt", weights_only=False)
             self.global_step = state["global_step"]
+            self.skipped_steps = state.get("skipped_steps", 0)  # absent in checkpoints of older versions
             self.train_loader.load_state_dict(state["data"])
             if self.kl_ctrl is not None and state["kl_coef"] is not None:
                 self.kl_ctrl.value = state["kl_coef"]

@@ -11,10 +11,12 @@ from hybridrl.algos import (
     compute_rollout_is_weights,
     kl_penalty,
 )
+from hybridrl.model_merger import save_checkpoint_metadata
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.utils.numerics import poison, screen_update
 from hybridrl.workers.common import (
     LossAccumulator,
     build_engine,
@@ -65,16 +67,19 @@ class ActorWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, float]:
         """PPO epochs over mini-batches of ``ppo_mini_batch_size x n`` sequences (all ranks)."""
-        maybe_inject("update_actor")
+        if maybe_inject("update_actor"):  # a ":nan" fault drill for trainer.nan_policy
+            data.batch["advantages"] = poison(data.batch["advantages"])
         rows = self.actor.ppo_mini_batch_size * self.n // self.world_size
         step = int(data.meta_info.get("global_step", 0))
         per_step = []
         for mini in iter_mini_batches(data, rows, self.actor.ppo_epochs, self.actor.shuffle,
                                       self.actor.data_loader_seed + step):
-            per_step.append(self._optimizer_step(mini))
-        return mean_metrics(per_step)
+            per_step.append(self._optimizer_step(mini, step))
+        metrics = mean_metrics(per_step)
+        metrics["actor/skipped_updates"] = sum(m["actor/skipped_updates"] for m in per_step)
+        return metrics
 
-    def _optimizer_step(self, mini: DataProto) -> dict[str, float]:
+    def _optimizer_step(self, mini: DataProto, step: int) -> dict[str, float]:
         info = global_batch_info(mini, self.actor.loss_scale_factor)
         acc = LossAccumulator()
         need_entropy = self.actor.entropy_coeff != 0 or self.actor.calculate_entropy
@@ -86,7 +91,8 @@ class ActorWorker(Worker):
         out = {f"actor/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr", "padding_ratio")}
         out.update({k: v for k, v in metrics.items() if k.startswith("actor/")})
         out.update({f"actor/{k}": v for k, v in acc.all_reduced().items()})
-        return out
+        return screen_update(out, metrics, dict(acc.sums), role="actor", step=step, rank=self.rank,
+                             policy=self.config.trainer.nan_policy)
 
     def _loss_fn(self, info, acc: LossAccumulator, need_entropy: bool):
         actor, algorithm = self.actor, self.config.algorithm
@@ -134,8 +140,11 @@ class ActorWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Sharded state under ``<path>/actor``; with ``hf_model`` in ``checkpoint.save_contents``
-        also a Hugging Face folder ``<path>/actor/hf_model`` (with the tokenizer)."""
+        also a Hugging Face folder ``<path>/actor/hf_model`` (with the tokenizer). Rank 0 adds
+        ``<path>/actor/huggingface/`` (config + tokenizer) so ``hybridrl.model_merger`` can merge it."""
         self.engine.save_checkpoint(f"{path}/actor")
+        if self.rank == 0:
+            save_checkpoint_metadata(f"{path}/actor", self.engine.model, self._tokenizer())
         if "hf_model" in self.actor.checkpoint.save_contents:
             self.export_hf(f"{path}/actor/hf_model")
 
@@ -145,6 +154,8 @@ class ActorWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
+        self.engine.export_hf(path, tokenizer=self._tokenizer())
+
+    def _tokenizer(self):
         model = self.config.actor_rollout_ref.model
-        tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
-        self.engine.export_hf(path, tokenizer=tokenizer)
+        return load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algos import compute_value_loss
-from hybridrl.models import load_critic
+from hybridrl.model_merger import save_checkpoint_metadata
+from hybridrl.models import load_critic, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.utils.numerics import poison, screen_update
 from hybridrl.workers.common import (
     LossAccumulator,
     build_engine,
@@ -46,15 +48,18 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        maybe_inject("update_critic")
+        if maybe_inject("update_critic"):  # a ":nan" fault drill for trainer.nan_policy
+            data.batch["returns"] = poison(data.batch["returns"])
         rows = self.critic.ppo_mini_batch_size * self.n // self.world_size
         step = int(data.meta_info.get("global_step", 0))
-        per_step = [self._optimizer_step(mini) for mini in iter_mini_batches(
+        per_step = [self._optimizer_step(mini, step) for mini in iter_mini_batches(
             data, rows, self.critic.ppo_epochs, self.critic.shuffle,
             self.config.actor_rollout_ref.actor.data_loader_seed + step)]
-        return mean_metrics(per_step)
+        metrics = mean_metrics(per_step)
+        metrics["critic/skipped_updates"] = sum(m["critic/skipped_updates"] for m in per_step)
+        return metrics
 
-    def _optimizer_step(self, mini: DataProto) -> dict[str, float]:
+    def _optimizer_step(self, mini: DataProto, step: int) -> dict[str, float]:
         info = global_batch_info(mini, self.config.actor_rollout_ref.actor.loss_scale_factor)
         acc = LossAccumulator()
         critic = self.critic
@@ -73,11 +78,18 @@ class CriticWorker(Worker):
         out = {f"critic/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr")}
         out.update({k: v for k, v in metrics.items() if k.startswith("critic/")})
         out.update({f"critic/{k}": v for k, v in acc.all_reduced().items()})
-        return out
+        return screen_update(out, metrics, dict(acc.sums), role="critic", step=step, rank=self.rank,
+                             policy=self.config.trainer.nan_policy)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
+        """Sharded state under ``<path>/critic``; rank 0 adds ``huggingface/`` (backbone config +
+        tokenizer) so ``hybridrl.model_merger`` can turn it into a critic folder."""
         self.engine.save_checkpoint(f"{path}/critic")
+        if self.rank == 0:
+            model = self.critic.model
+            tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+            save_checkpoint_metadata(f"{path}/critic", self.engine.model, tokenizer)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

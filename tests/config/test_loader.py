@@ -15,7 +15,11 @@ from hybridrl.config import (
     load_config,
 )
 
-CPU = ["trainer.device=cpu"]  # keep the world size independent of the machine running the tests
+# Batch sizes pinned here so the tests do not follow the quickstart preset's tuning.
+PINNED = ["trainer.device=cpu", "trainer.n_cpu_workers=2", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+          "data.max_response_length=32"]
+CPU = PINNED  # also keeps the world size independent of the machine running the tests
 
 
 def quick(*overrides):
