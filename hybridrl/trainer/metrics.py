@@ -29,7 +29,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
 
     ``critic/score`` is the sequence sum of ``token_level_scores`` (B,R); ``critic/rewards`` the
     same for ``token_level_rewards``; advantages / returns / values are taken over valid response
-    tokens; ``response_length/clip_ratio`` is the fraction of responses that hit the length limit.
+    tokens; ``response_length/clip_ratio`` is the fraction of responses that hit the length limit;
+    ``num_turns/*`` and ``tool_call_counts/*`` (mean/max/min per sequence) when the rollout was multi-turn.
     """
     b = batch.batch
     response_mask = b["response_mask"].bool()
@@ -47,6 +48,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
         **_stats("prompt_length", prompt_len),
         "prompt_length/clip_ratio": (prompt_len == max_prompt_len).float().mean().item(),
     }
+    for key in ("num_turns", "tool_call_counts"):  # multi-turn rollouts (hybridrl.rollout.agent_loop)
+        if key in batch.non_tensor_batch:
+            metrics.update(_stats(key, torch.as_tensor(batch.non_tensor_batch[key].astype(np.float64))))
     if use_critic and "values" in b:
         values = b["values"][response_mask]
         returns = b["returns"][response_mask]

@@ -7,6 +7,7 @@ import numpy as np
 
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.protocol import DataProto
+from hybridrl.rollout.agent_loop import build_agent_loop
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.native import NativeRolloutEngine
 from hybridrl.single_controller import Dispatch, Worker, register
@@ -21,14 +22,17 @@ class RolloutWorker(Worker):
         self.config = config
         self.rollout = arr.rollout
         self.actor = actor
-        if self.rollout.name == "vllm":
-            raise NotImplementedError("actor_rollout_ref.rollout.name=vllm is not available yet; use native")
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
                                    trust_remote_code=arr.model.trust_remote_code)
-        model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
-                               override_config=dict(arr.model.override_config))
-        self.engine = NativeRolloutEngine(model)
-        eos = _eos_ids(tokenizer, model)
+        if self.rollout.name == "vllm":
+            self.engine = self._build_vllm(config)
+            generation_config = _load_generation_config(arr.model.path)
+        else:
+            model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
+                                   override_config=dict(arr.model.override_config))
+            self.engine = NativeRolloutEngine(model)
+            generation_config = model.generation_config
+        eos = _eos_ids(tokenizer, generation_config)
         r = self.rollout
         self.train_params = SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length,
@@ -38,6 +42,22 @@ class RolloutWorker(Worker):
         self.val_params = self.train_params.with_updates(
             n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample)
         self.seed = config.data.seed
+        # multi-turn: the agent loop drives the same engine turn by turn (tools, interactions)
+        self.agent_loop = build_agent_loop(self.engine, tokenizer, r.multi_turn, r.response_length) \
+            if r.multi_turn.enable else None
+
+    def _build_vllm(self, config):
+        """The vLLM engine (hybridrl.rollout.vllm_engine, the only module importing vllm)."""
+        from hybridrl.rollout.vllm_engine import build_vllm_engine
+
+        engine = build_vllm_engine(config.actor_rollout_ref, config.trainer.device, seed=config.data.seed)
+        if self.rollout.load_format.startswith("dummy"):
+            # vLLM started from random weights (verl's default): take the actor's before any rollout.
+            if self.actor is None:
+                raise ValueError("actor_rollout_ref.rollout.load_format=dummy needs the actor colocated with "
+                                 "the rollout to sync weights from; set load_format=auto")
+            engine.update_weights(self.actor.engine.iter_full_params())
+        return engine
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -51,7 +71,8 @@ class RolloutWorker(Worker):
         step = int(prompts.meta_info.get("global_step", 0))
         params = self.val_params if validate else self.train_params
         seed = int(np.random.SeedSequence([self.seed, step, self.rank, int(validate)]).generate_state(1)[0])
-        out = self.engine.generate(prompts, params.with_updates(seed=seed))
+        generator = self.agent_loop if self.agent_loop is not None else self.engine
+        out = generator.generate(prompts, params.with_updates(seed=seed))
         out.meta_info = {}
         return out
 
@@ -64,10 +85,20 @@ class RolloutWorker(Worker):
         self.engine.free_cache()
 
 
-def _eos_ids(tokenizer, model) -> tuple[int, ...]:
+def _load_generation_config(path):
+    """The model folder's generation_config.json, or None when it has none."""
+    from transformers import GenerationConfig
+
+    from hybridrl.models.utils import resolve_model_dir
+
+    folder = resolve_model_dir(path)
+    return GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").exists() else None
+
+
+def _eos_ids(tokenizer, generation_config) -> tuple[int, ...]:
     """End-of-response ids: the tokenizer's eos plus the model's generation_config eos (which
     chat models often set to the end-of-turn token, e.g. ``<|im_end|>``)."""
     ids = [tokenizer.eos_token_id]
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
