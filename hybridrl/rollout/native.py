@@ -70,6 +70,11 @@ class NativeRolloutEngine:
     ) -> dict[str, torch.Tensor]:
         """Tensor-level `generate`: prompts (N,P) left-padded -> the output columns (B = N*G rows)."""
         _check_prompts(input_ids, attention_mask, position_ids)
+        full_ids, full_mask = input_ids, attention_mask
+        # Prompts come padded to data.max_prompt_length: columns that are padding in every row would be
+        # prefilled and attended to (masked) at every decode step for nothing. Outputs keep width P.
+        first = int(attention_mask.any(0).int().argmax())
+        input_ids, attention_mask, position_ids = input_ids[:, first:], attention_mask[:, first:], position_ids[:, first:]
         n, length = params.n, params.max_new_tokens
         uniforms = None
         if not params.greedy:
@@ -82,7 +87,7 @@ class NativeRolloutEngine:
             out = self._generate_chunk(input_ids[rows], attention_mask[rows], position_ids[rows], params, chunk_uniforms)
             for acc, value in zip((responses, log_probs, lengths), out):
                 acc.append(value)
-        return _assemble(input_ids, attention_mask, torch.cat(responses), torch.cat(log_probs), torch.cat(lengths), params)
+        return _assemble(full_ids, full_mask, torch.cat(responses), torch.cat(log_probs), torch.cat(lengths), params)
 
     def _generate_chunk(self, input_ids, attention_mask, position_ids, params, uniforms):
         """Decode one chunk. Returns responses (b,R) int64, log_probs (b,R) float32, lengths (b,)."""

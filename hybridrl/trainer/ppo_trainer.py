@@ -63,6 +63,20 @@ class Workers(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
 
+def old_log_probs_needed(config) -> bool:
+    """False when the actor update is exactly on-policy: one PPO epoch over a single mini-batch, so
+    the policy that scores the update's tokens is the one that sampled them and ``old_log_probs``
+    equal the update's own log-probs (detached). The separate forward is then skipped, as verl's
+    ``dp_actor`` (``on_policy``) and TRL's GRPOTrainer do. KL-in-reward, rollout importance weights
+    and loss modes other than ``vanilla`` read the old log-probs before or beside the update, so they
+    keep the forward; so do ``actor/entropy`` and ``training/rollout_probs_diff_*``, which come from it.
+    """
+    actor, alg = config.actor_rollout_ref.actor, config.algorithm
+    on_policy = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size
+    return not (on_policy and actor.policy_loss.loss_mode == "vanilla" and not alg.use_kl_in_reward
+                and not alg.rollout_is and actor.tis_imp_ratio_cap <= 0)
+
+
 class PPOTrainer:
     """Runs ``fit()``; everything it needs is built by ``hybridrl.trainer.main_ppo``."""
 
@@ -80,6 +94,7 @@ class PPOTrainer:
         self.use_critic = alg.adv_estimator == "gae"
         actor = config.actor_rollout_ref.actor
         self.use_ref = alg.use_kl_in_reward or actor.use_kl_loss
+        self.needs_old_log_probs = old_log_probs_needed(config)
         self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon) \
             if alg.use_kl_in_reward else None
@@ -119,8 +134,9 @@ class PPOTrainer:
                            batch, columns_of(batch.non_tensor_batch["reward_extra"]))
             if self.config.trainer.balance_batch:
                 batch = self.balance_batch(batch)
-            with timer("old_log_prob"):
-                batch = self.compute_old_log_probs(batch, metrics)
+            if self.needs_old_log_probs:
+                with timer("old_log_prob"):
+                    batch = self.compute_old_log_probs(batch, metrics)
             if self.use_ref:
                 with timer("ref"):
                     batch = merge_columns(batch, self.workers.compute_ref_log_prob(batch))

@@ -70,6 +70,10 @@ class ActorWorker(Worker):
         if maybe_inject("update_actor"):  # a ":nan" fault drill for trainer.nan_policy
             data.batch["advantages"] = poison(data.batch["advantages"])
         rows = self.actor.ppo_mini_batch_size * self.n // self.world_size
+        if "old_log_probs" not in data.batch and (self.actor.ppo_epochs != 1 or rows != len(data)):
+            raise KeyError(f"update_actor: the batch has no old_log_probs, which only an on-policy update (ppo_epochs=1, "
+                           f"one mini-batch) may skip; here ppo_epochs={self.actor.ppo_epochs}, {len(data)} rows in "
+                           f"mini-batches of {rows}")
         step = int(data.meta_info.get("global_step", 0))
         per_step = []
         for mini in iter_mini_batches(data, rows, self.actor.ppo_epochs, self.actor.shuffle,
@@ -89,7 +93,7 @@ class ActorWorker(Worker):
             **micro_batching(self.actor.use_dynamic_bsz, self.actor.ppo_micro_batch_size_per_gpu,
                              self.actor.ppo_max_token_len_per_gpu))
         out = {f"actor/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr", "padding_ratio")}
-        out.update({k: v for k, v in metrics.items() if k.startswith("actor/")})
+        out.update({k: v for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))})
         out.update({f"actor/{k}": v for k, v in acc.all_reduced().items()})
         return screen_update(out, metrics, dict(acc.sums), role="actor", step=step, rank=self.rank,
                              policy=self.config.trainer.nan_policy)
@@ -102,8 +106,10 @@ class ActorWorker(Worker):
             mask = b["response_mask"].to(outputs["log_probs"].dtype)
             log_prob = outputs["log_probs"]
             is_weights, metrics = self._rollout_is_weights(b, mask, algorithm)
+            # on-policy (the trainer skipped the old-log-prob forward): pi_old is this very policy
+            old_log_prob = b["old_log_probs"] if "old_log_probs" in b else log_prob.detach()
             pg_loss, pg_metrics = compute_policy_loss(
-                actor.policy_loss.loss_mode, b["old_log_probs"], log_prob, b["advantages"], mask,
+                actor.policy_loss.loss_mode, old_log_prob, log_prob, b["advantages"], mask,
                 actor.loss_agg_mode, params=self.policy_params, rollout_is_weights=is_weights, batch_info=info)
             metrics.update({k: float(v) for k, v in pg_metrics.items()})
             loss = pg_loss

@@ -23,12 +23,15 @@ def setup_distributed() -> None:
     """Join the worker group's process group (the host exported RANK/WORLD_SIZE/MASTER_*).
 
     On CPU the ranks of one node share its cores: each gets an equal share of threads, since
-    oversubscribed BLAS threads make every rank slower (PLATFORM.md: 2 cores, 2 ranks).
+    oversubscribed BLAS threads make every rank slower (PLATFORM.md: 2 cores, 2 ranks). An explicit
+    ``HYBRIDRL_NUM_THREADS`` wins: on a machine shared with other jobs, fewer threads than cores
+    avoid OpenMP barriers that wait for a descheduled thread (docs/performance.md).
     """
     init_distributed()
     if not torch.cuda.is_available():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads = os.environ.get("HYBRIDRL_NUM_THREADS")
+        torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local_world))
 
 
 def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps: int, updates_per_step: int,

@@ -1,0 +1,113 @@
+"""The machine's limit for one GRPO step: FLOPs of each phase over the measured fp32 matmul rate,
+decode steps bounded below by reading the weights once (issue 10).
+
+Shape letters as in hybridrl.protocol: N prompts, G samples per prompt, B = N*G sequences, p the
+mean real prompt length (padding excluded), R response tokens per sequence.
+
+Work per step with M = matmul parameters (every nn.Linear of the decoder layers plus the LM head;
+embeddings are lookups), L layers, D = heads x head_dim per layer:
+
+- generation: prefill 2M per prompt token (each prompt once, its KV cache shared by its G samples),
+  2M per generated token, attention 4LD per (query, key) pair; each of the R decode steps is
+  max(its FLOPs / peak, weight bytes / bandwidth);
+- every extra forward (reference log-probs): 2M per token of the B sequences of length p + R;
+- update: 6M per token (forward + backward), attention 3x the forward's;
+- old log-probs, weight sync, reward and controller: 0 (an exactly on-policy update needs no old
+  log-probs; a colocated rollout can read the actor's weights in place; scoring strings is not
+  model work and can overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def measure_peak_flops(size: int = 1536, reps: int = 5) -> float:
+    """fp32 matmul FLOP/s: best of ``reps`` square matmuls (a peak is an upper bound, so the best)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
+    """Memory read bytes/s: best of ``reps`` sums over a buffer far larger than the caches."""
+    buf = torch.ones(megabytes * 2**20 // 4)
+    buf.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    matmul_params: int  # M: decoder-layer Linear weights + LM head
+    attn_dim: int  # L x heads x head_dim, summed over layers
+    weight_bytes: int  # fp32 bytes read once per decode step
+    params: int  # all parameters (tied embeddings once)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        cfg = model.config
+        head = model.get_output_embeddings().weight.numel()
+        layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(matmul_params=layers + head, attn_dim=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+                   weight_bytes=4 * (layers + head), params=sum(p.numel() for p in model.parameters()))
+
+
+@dataclass(frozen=True)
+class Machine:
+    peak_flops: float  # fp32 matmul FLOP/s
+    bandwidth: float  # memory read bytes/s
+
+    @classmethod
+    def measure(cls) -> Machine:
+        return cls(measure_peak_flops(), measure_bandwidth())
+
+
+def _attn_pairs(length: float) -> float:
+    """(query, key) pairs of causal attention over one sequence of ``length`` tokens."""
+    return length * (length + 1) / 2
+
+
+def forward_flops(shape: ModelShape, rows: int, length: float) -> float:
+    """One forward over ``rows`` sequences of ``length`` tokens."""
+    return rows * (2 * shape.matmul_params * length + 4 * shape.attn_dim * _attn_pairs(length))
+
+
+def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int) -> tuple[float, float]:
+    """(FLOPs, seconds) of prefilling N prompts once and decoding R tokens for B = N*G rows."""
+    flops = forward_flops(shape, n, p)
+    seconds = max(flops / machine.peak_flops, shape.weight_bytes / machine.bandwidth)
+    for step in range(1, r):
+        step_flops = n * g * (2 * shape.matmul_params + 4 * shape.attn_dim * (p + step))
+        flops += step_flops
+        seconds += max(step_flops / machine.peak_flops, shape.weight_bytes / machine.bandwidth)
+    return flops, seconds
+
+
+def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int, with_ref: bool) -> dict:
+    """Per-phase floor seconds (and FLOPs) of one GRPO step; keys match ``PHASES``."""
+    gen_flops, gen_s = generation_floor(shape, machine, n, g, p, r)
+    fwd = forward_flops(shape, n * g, p + r)
+    ref = fwd if with_ref else 0.0
+    update = 3 * fwd  # backward = 2x forward
+    flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": 0.0, "ref": ref, "update_actor": update,
+             "update_weights": 0.0, "controller": 0.0}
+    seconds = {k: v / machine.peak_flops for k, v in flops.items()}
+    seconds["gen"] = gen_s
+    return {"flops": flops, "seconds": seconds, "total_s": sum(seconds.values()), "update_flops": update}
+
+
+PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "controller")

@@ -1,0 +1,273 @@
+"""End-to-end GRPO step: hybridrl vs TRL ``GRPOTrainer`` side by side, and vs the machine's floor.
+
+Matched settings: the same model folder and parquet prompts (the built-in addition task, chat
+template applied by each framework), N prompts x G samples, exactly R response tokens (hybridrl
+``rollout.ignore_eos=true``, TRL ``min_new_tokens=R``), temperature 1, AdamW at the same lr /
+betas / weight decay / grad clip, constant schedule, one PPO epoch and one optimizer step per
+generation batch (no micro-batching on either side), the same Python reward (hybridrl's default
+scorer), and with or without a reference model (k3 KL loss, coefficient 0.001 on both sides).
+
+The frameworks alternate within one run (hybridrl run, TRL run, hybridrl run, ...); each run does
+``--steps`` steps, the first of which (lazy allocations) is dropped; the median over all kept
+steps is reported. hybridrl runs in-process (``trainer.backend=local``, one rank, torch's threads)
+like TRL, unless ``--backend ray``. Token counts are the dataset's mean real prompt length plus R,
+times B, for both frameworks, so the throughput ratio is the step-time ratio.
+
+    python benchmarks/grpo_bench.py --case tiny            # one case -> benchmarks/results/grpo_tiny.json
+    python benchmarks/grpo_bench.py --case 25m --reps 2 --steps 3 --no-trl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import PHASES, Machine, ModelShape, step_floor  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # tiny | small | 25m | smollm2
+    n: int  # prompts per step
+    g: int  # samples per prompt
+    r: int  # response tokens
+    max_prompt_length: int
+
+
+CASES = {
+    "tiny": Case("tiny", "tiny", 16, 8, 64, 64),
+    "25m": Case("25m", "25m", 8, 8, 64, 64),
+    "smollm2": Case("smollm2", "smollm2", 4, 4, 32, 128),
+}
+
+
+# ------------------------------------------------------------------------------------ assets
+def prepare_assets(case: Case, root: Path) -> dict[str, str]:
+    """Model folder (built offline) and the addition task's train parquet."""
+    from hybridrl.data.preprocess import prepare
+    from hybridrl.models import make_tiny_model_dir
+
+    data = root / "data"
+    if not (data / "train.parquet").exists():
+        prepare("addition", data, n=4096, n_test=8, seed=0, max_digits=3)
+    if case.model == "smollm2":
+        from hybridrl.models.smollm2 import prepare_smollm2
+
+        model = prepare_smollm2()
+    else:
+        model = make_tiny_model_dir(preset=case.model)
+    return {"model": str(model), "train": str(data / "train.parquet")}
+
+
+def mean_prompt_tokens(model_dir: str, train_file: str, rows: int = 512) -> float:
+    """Mean real prompt length after the chat template (what both frameworks prefill)."""
+    import pyarrow.parquet as pq
+
+    from hybridrl.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    prompts = pq.read_table(train_file, columns=["prompt"]).column("prompt").to_pylist()[:rows]
+    lengths = [len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in prompts]
+    return statistics.fmean(lengths)
+
+
+# ---------------------------------------------------------------------------------- hybridrl
+def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with_ref: bool,
+                       backend: str, workers: int) -> list[str]:
+    b = case.n * case.g
+    values = {
+        "data.train_files": f"[{assets['train']}]", "data.val_files": "[]",
+        "data.train_batch_size": case.n, "data.max_prompt_length": case.max_prompt_length,
+        "data.max_response_length": case.r, "actor_rollout_ref.model.path": assets["model"],
+        "actor_rollout_ref.rollout.n": case.g, "actor_rollout_ref.rollout.ignore_eos": "true",
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": case.n,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": b // workers,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": b // workers,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": b // workers,
+        "actor_rollout_ref.actor.use_kl_loss": str(with_ref).lower(),
+        "actor_rollout_ref.actor.kl_loss_coef": KL_COEF, "actor_rollout_ref.actor.optim.lr": LR,
+        "actor_rollout_ref.actor.optim.weight_decay": WEIGHT_DECAY, "actor_rollout_ref.actor.grad_clip": GRAD_CLIP,
+        "trainer.total_training_steps": steps, "trainer.val_before_train": "false", "trainer.test_freq": -1,
+        "trainer.save_freq": -1, "trainer.logger": "[file]", "trainer.default_local_dir": str(run_dir),
+        "trainer.resume_mode": "disable", "trainer.backend": backend, "trainer.n_cpu_workers": workers,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_hybridrl(case: Case, assets: dict, steps: int, with_ref: bool, backend: str = "local",
+                 workers: int = 1) -> list[dict]:
+    """Per-step metrics (timing_s/*, prompt_length/mean, actor/padding_ratio ...) of one run."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer.main_ppo import run
+
+    with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
+        config = load_config(hybridrl_overrides(case, assets, Path(tmp), steps, with_ref, backend, workers),
+                             preset="grpo_quickstart")
+        run(config)
+        lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# --------------------------------------------------------------------------------------- TRL
+def trl_reward(prompts, completions, data_source, reward_model, **_):
+    """hybridrl's default scorer behind TRL's reward-function signature."""
+    from hybridrl.rewards.default import default_compute_score
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(default_compute_score(src, text, rm["ground_truth"]))
+            for src, text, rm in zip(data_source, texts, reward_model)]
+
+
+def run_trl(case: Case, assets: dict, steps: int, with_ref: bool) -> list[float]:
+    """Seconds of each optimizer step (generation included) of one GRPOTrainer run."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.start)
+
+    b = case.n * case.g
+    dataset = Dataset.from_parquet(assets["train"])
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, use_cpu=True, per_device_train_batch_size=b, gradient_accumulation_steps=1,
+            num_generations=case.g, max_completion_length=case.r, generation_kwargs={"min_new_tokens": case.r},
+            temperature=1.0, top_p=1.0, top_k=0, beta=KL_COEF if with_ref else 0.0, num_iterations=1,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY,
+            max_grad_norm=GRAD_CLIP, gradient_checkpointing=False, max_steps=steps, logging_steps=10**6, save_strategy="no", report_to="none",
+            disable_tqdm=True, seed=0, bf16=False, model_init_kwargs={"dtype": torch.float32},
+            dataloader_num_workers=0)
+        timer = StepTimer()
+        trainer = GRPOTrainer(model=assets["model"], reward_funcs=trl_reward, args=args, train_dataset=dataset,
+                              callbacks=[timer])
+        trainer.train()
+    return timer.seconds
+
+
+# ----------------------------------------------------------------------------------- summary
+def phase_times(step: dict) -> dict[str, float]:
+    """hybridrl's phases of one step; the controller is the step time outside every phase."""
+    out = {p: float(step.get(f"timing_s/{p}", 0.0)) for p in PHASES if p != "controller"}
+    out["controller"] = float(step["timing_s/step"]) - sum(out.values())
+    return out
+
+
+def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floor: dict, peak: float) -> dict:
+    hyb_step = statistics.median(s["timing_s/step"] for s in hyb)
+    phases = {p: statistics.median(phase_times(s)[p] for s in hyb) for p in PHASES}
+    out = {
+        "hybridrl_step_s": hyb_step, "hybridrl_tok_s": tokens / hyb_step,
+        "hybridrl_floor_frac": floor["total_s"] / hyb_step,
+        "phases_s": phases, "phase_floor_s": floor["seconds"],
+        "update_mfu": floor["update_flops"] / phases["update_actor"] / peak if phases["update_actor"] else None,
+        "padding_efficiency": statistics.median(1.0 / s["actor/padding_ratio"] for s in hyb
+                                                if s.get("actor/padding_ratio")) if hyb else None,
+        "controller_frac": phases["controller"] / hyb_step,
+        "hybridrl_steps": [s["timing_s/step"] for s in hyb],
+    }
+    if trl:
+        trl_step = statistics.median(trl)
+        out.update(trl_step_s=trl_step, trl_tok_s=tokens / trl_step, speedup=trl_step / hyb_step,
+                   trl_floor_frac=floor["total_s"] / trl_step, trl_steps=trl)
+    return out
+
+
+def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    assets = prepare_assets(case, Path(args.work))
+    shape = ModelShape.of(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32))
+    p = mean_prompt_tokens(assets["model"], assets["train"])
+    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref)
+    tokens = case.n * case.g * (p + case.r)
+    hyb: list[dict] = []
+    trl: list[float] = []
+    for rep in range(args.reps):
+        hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers)[1:]
+        if not args.no_trl:
+            trl += run_trl(case, assets, args.steps, with_ref)[1:]
+        print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
+              f"trl {[round(t, 2) for t in trl]}", flush=True)
+    result = summarize(case, hyb, trl, tokens, floor, machine.peak_flops)
+    result.update(case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
+                  tokens_per_step=tokens, floor_s=floor["total_s"], backend=args.backend, workers=args.workers)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=sorted(CASES), required=True)
+    parser.add_argument("--ref", default="both", choices=("both", "on", "off"), help="reference model")
+    parser.add_argument("--reps", type=int, default=3, help="alternating runs per framework")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is dropped)")
+    parser.add_argument("--n", type=int, default=0, help="override the case's prompts per step")
+    parser.add_argument("--backend", default="local", choices=("local", "ray"))
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--no-trl", action="store_true", help="hybridrl only")
+    parser.add_argument("--tag", default="", help="suffix of the result file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")
+    parser.add_argument("--work", default=os.path.expanduser("~/.cache/hybridrl/bench"))
+    args = parser.parse_args(argv)
+    case = CASES[args.case]
+    if args.n:
+        case = Case(case.name, case.model, args.n, case.g, case.r, case.max_prompt_length)
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    machine = Machine.measure()
+    refs = {"both": (False, True), "on": (True,), "off": (False,)}[args.ref]
+    rows = [bench_case(case, args, machine, with_ref) for with_ref in refs]
+    record = {"machine": asdict(machine), "threads": torch.get_num_threads(), "load_avg_end": os.getloadavg()[0],
+              "reps": args.reps, "steps": args.steps, "rows": rows, "versions": versions()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"grpo_{args.case}{args.tag}.json"
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def set_threads(threads: int) -> None:
+    """The same thread count for hybridrl's workers (HYBRIDRL_NUM_THREADS), TRL (accelerate reads
+    OMP_NUM_THREADS) and the matmul-rate measurement, so the floor is the one both run against."""
+    os.environ["HYBRIDRL_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "transformers", "trl", "ray", "hybridrl"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "-"
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
