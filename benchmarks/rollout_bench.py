@@ -26,31 +26,10 @@ import torch
 
 from hybridrl.rollout import NativeRolloutEngine, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import measure_bandwidth, measure_peak_flops  # noqa: E402  (one measurement for every benchmark)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
-
-
-def measure_peak_flops(size: int = 1536, reps: int = 5) -> float:
-    """fp32 matmul FLOP/s: best of `reps` square matmuls (best, as a peak is an upper bound)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
-    """Memory read bytes/s: best of `reps` sums over a buffer much larger than the caches."""
-    buf = torch.ones(megabytes * 2**20 // 4)
-    buf.sum()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best
 
 
 def model_shape(model) -> dict:

@@ -60,12 +60,21 @@ def run_grpo_stage(out: Path, data_dir: Path, model_dir: Path, steps: int, worke
                  f"trainer.total_training_steps={steps}", f"trainer.n_cpu_workers={workers}",
                  "trainer.resume_mode=disable", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
                  "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=4",
-                 *extra]
+                 "trainer.save_freq=50", *extra]
     run(load_config(overrides, preset="grpo_quickstart"))
     return run_dir
 
 
-def summarize(grpo_dir: Path, seconds: float) -> dict[str, float]:
+def greedy_accuracy(model: Path, test_file: Path, out: Path) -> float:
+    """Greedy exact-match accuracy on the held-out prompts, with ``hybridrl eval``."""
+    from hybridrl.trainer import evaluate
+
+    evaluate.main(["--model", str(model), "--data", str(test_file), "--n", "1", "--temperature", "0",
+                   "--max-new-tokens", "12", "--out", str(out)])
+    return json.loads((out / "results.json").read_text())["metrics"][SOURCE]["strict/mean@1"]
+
+
+def summarize(grpo_dir: Path, seconds: float, greedy: dict[str, float]) -> dict[str, float]:
     records: dict[int, dict] = {}
     for line in (grpo_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -79,17 +88,18 @@ def summarize(grpo_dir: Path, seconds: float) -> dict[str, float]:
     for step, acc in val.items():
         print(f"  step {step:>3}: {acc:.3f}")
     print(f"training score (critic/score/mean): first step {train[0]:.3f} -> last step {train[-1]:.3f}")
+    print(f"greedy accuracy on held-out prompts: after SFT {greedy['sft']:.3f} -> after GRPO {greedy['grpo']:.3f}")
     print(f"metrics:     {grpo_dir / 'metrics.jsonl'}")
     print(f"checkpoints: {grpo_dir} (global_step_*/)")
     print(f"wall time:   {seconds / 60:.1f} min")
-    return {"val_before": val[first], "val_after": val[last]}
+    return {"val_before": val[first], "val_after": val[last], **greedy}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridrl quickstart", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/quickstart", help="folder for data, models and runs")
     parser.add_argument("--sft-steps", type=int, default=100)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--grpo-steps", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2, help="Ray worker ranks (FSDP2 over gloo)")
     parser.add_argument("overrides", nargs="*", help="extra main_ppo overrides for the GRPO stage (key=value)")
     args = parser.parse_args(argv)
@@ -98,5 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     data_dir, tiny = prepare_assets(out)
     sft_model = run_sft_stage(out, data_dir, tiny, args.sft_steps)
     grpo_dir = run_grpo_stage(out, data_dir, sft_model, args.grpo_steps, args.workers, args.overrides)
-    summarize(grpo_dir, time.perf_counter() - start)
+    test_file = data_dir / "test.parquet"
+    last = max(grpo_dir.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    greedy = {"sft": greedy_accuracy(sft_model, test_file, out / "eval_sft"),
+              "grpo": greedy_accuracy(last, test_file, out / "eval_grpo")}
+    summarize(grpo_dir, time.perf_counter() - start, greedy)
     return 0
