@@ -16,12 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from hybridrl.models.loading import (
-    ATTN_IMPLEMENTATIONS,
-    enable_gradient_checkpointing,
-    load_config,
-    to_torch_dtype,
-)
+from hybridrl.models.loading import enable_gradient_checkpointing, load_pretrained, to_torch_dtype
 from hybridrl.models.utils import resolve_model_dir
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -84,20 +79,8 @@ def load_critic(
     head_seed: int = 0,
 ) -> CriticModel:
     """Critic from a saved critic folder (head restored) or a causal-LM folder (head from ``head_seed``)."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
-        )
-    folder = resolve_model_dir(path)
-    config = load_config(folder, trust_remote_code, override_config)
-    torch_dtype = to_torch_dtype(dtype)
-    backbone = AutoModel.from_pretrained(
-        folder,
-        config=config,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    backbone = load_pretrained(AutoModel, path, dtype, attn_implementation, trust_remote_code, override_config)
+    config, folder, torch_dtype = backbone.config, resolve_model_dir(path), to_torch_dtype(dtype)
     head = None
     if getattr(config, VALUE_HEAD_MARKER, None):
         head = _load_value_head(folder, config.hidden_size, torch_dtype)

@@ -66,6 +66,23 @@ def load_config(
     return config
 
 
+def load_pretrained(auto_cls, path, dtype, attn_implementation: str, trust_remote_code: bool,
+                    override_config: dict[str, Any] | None):
+    """``auto_cls.from_pretrained`` of a local folder with a checked attention implementation and
+    ``override_config`` applied to its config (shared by the policy and the critic backbone)."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
+        )
+    return auto_cls.from_pretrained(
+        resolve_model_dir(path),
+        config=load_config(path, trust_remote_code, override_config),
+        dtype=to_torch_dtype(dtype),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+
+
 def load_causal_lm(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",
@@ -79,18 +96,7 @@ def load_causal_lm(
     ``override_config`` patches config fields before the weights load (e.g. ``{"attention_dropout": 0.0}``).
     With ``gradient_checkpointing`` the KV cache is turned off, as the two cannot be used together.
     """
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
-        )
-    config = load_config(path, trust_remote_code, override_config)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_dir(path),
-        config=config,
-        dtype=to_torch_dtype(dtype),
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    model = load_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, trust_remote_code, override_config)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.eval()
