@@ -88,7 +88,7 @@ def summarize(grpo_dir: Path, seconds: float, greedy: dict[str, float]) -> dict[
     for step, acc in val.items():
         print(f"  step {step:>3}: {acc:.3f}")
     print(f"training score (critic/score/mean): first step {train[0]:.3f} -> last step {train[-1]:.3f}")
-    print(f"greedy accuracy on held-out prompts: after SFT {greedy['sft']:.3f} -> after GRPO {greedy['grpo']:.3f}")
+    print(f"greedy accuracy on held-out prompts: after SFT {greedy['sft']:.3f} -> after RL {greedy['grpo']:.3f}")
     print(f"metrics:     {grpo_dir / 'metrics.jsonl'}")
     print(f"checkpoints: {grpo_dir} (global_step_*/)")
     print(f"wall time:   {seconds / 60:.1f} min")
