@@ -34,9 +34,14 @@ class LocalBackend:
         self._host = WorkerHost()
         rendezvous = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(find_free_port())}
+        # The roles run in the driver: remember its env and process-group state so that shutdown
+        # leaves the driver as it found it (a later in-process job must not inherit a 1-rank group).
+        self._saved_env = {k: os.environ.get(k) for k in {**rendezvous, **env}}
+        self._had_group = _group_initialized()
         try:
             self._host.setup({**rendezvous, **env}, self._roles)
         except Exception as exc:
+            self.shutdown()
             raise self._error(",".join(self._roles), "__init__", exc) from exc
 
     def submit(self, plan: CallPlan, role: str, method: str) -> list[tuple[bool, Any]]:
@@ -68,4 +73,19 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         self._host.roles = {}
+        if not self._had_group and _group_initialized():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _group_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 

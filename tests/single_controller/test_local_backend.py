@@ -77,3 +77,17 @@ def test_local_linear_worker_trains():
     losses = [wg.train_step(data)[0] for _ in range(3)]
     assert losses[-1] < losses[0]
     assert not torch.equal(before, wg.score(data).batch["scores"])
+
+
+def test_local_shutdown_leaves_the_driver_as_it_found_it():
+    """A role that joins a process group in the driver must not leave it (or the rendezvous env)
+    behind: a later in-process job would otherwise shard its model over a stale 1-rank group."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    wg = local_group(RoleSpec(ToyActor, scale=1.0))
+    assert wg.all_reduce_rank() == [1.0] and dist.is_initialized()
+    wg.shutdown()
+    assert not dist.is_initialized()
+    assert {k: os.environ.get(k) for k in before} == before
