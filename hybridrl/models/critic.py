@@ -51,7 +51,8 @@ class CriticModel(nn.Module):
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+        # a fresh tensor, not a view: FSDP2 warns that in-place ops on a returned view skip its hooks
+        return self.value_head(out.last_hidden_state).squeeze(-1).float().clone()
 
     def gradient_checkpointing_enable(self) -> None:
         """Checkpoint the backbone's layers (the head is tiny)."""
