@@ -106,3 +106,12 @@ class RolloutEngine(Protocol):
     def free_cache(self) -> None:
         """Release the KV cache memory (between rollout and training phases)."""
         ...
+
+
+def eos_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """End-of-response ids: the tokenizer's eos plus the model's ``generation_config`` eos (which
+    chat models often set to the end-of-turn token, e.g. ``<|im_end|>``)."""
+    ids = [tokenizer.eos_token_id]
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))

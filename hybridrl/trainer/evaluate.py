@@ -31,7 +31,7 @@ from hybridrl.data.dataset import RLHFDataset, collate_prompts
 from hybridrl.model_merger import find_checkpoint_dir, is_engine_checkpoint, merge_checkpoint
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.rewards import load_reward_function
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.base import SamplingParams, eos_ids
 from hybridrl.rollout.native import NativeRolloutEngine
 from hybridrl.trainer.dumps import write_jsonl
 from hybridrl.trainer.eval_metrics import SampleRecord, aggregate, format_table, score_response
@@ -76,11 +76,8 @@ def model_folder(path: str | Path) -> Iterator[Path]:
 
 def sampling_params(args: argparse.Namespace, tokenizer, model) -> SamplingParams:
     temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
-    eos = [tokenizer.eos_token_id]
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]  # chat models end turns with e.g. <|im_end|>
     return SamplingParams(n=args.n, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                          do_sample=temperature > 0, eos_token_id=tuple(dict.fromkeys(i for i in eos if i is not None)),
+                          do_sample=temperature > 0, eos_token_id=eos_ids(tokenizer, getattr(model, "generation_config", None)),
                           pad_token_id=tokenizer.pad_token_id, seed=args.seed, logprobs=False)
 
 
@@ -96,7 +93,7 @@ def generate_batch(engine: NativeRolloutEngine, tokenizer, items: list[dict], pa
     """Responses of ``len(items) * n`` rows (sample g of item i is row i*n+g): texts (special tokens
     skipped), lengths, and whether each was cut at ``max_new_tokens`` without a stop token."""
     prompts = collate_prompts(items).select(batch_keys=list(GEN_KEYS), non_tensor_batch_keys=[])
-    out = engine.generate(_trim_left_padding(prompts), params)
+    out = engine.generate(prompts, params)  # the engine skips all-padding prompt columns itself
     responses = out.batch["responses"]
     lengths = out.batch["response_mask"].sum(-1).tolist()
     stops = torch.tensor(params.stop_ids, dtype=responses.dtype)
@@ -105,16 +102,6 @@ def generate_batch(engine: NativeRolloutEngine, tokenizer, items: list[dict], pa
                                    skip_special_tokens=True)
     clipped = [int(n) == params.max_new_tokens and not s for n, s in zip(lengths, ends_stopped)]
     return texts, [int(n) for n in lengths], clipped
-
-
-def _trim_left_padding(prompts):
-    """Drop the columns that are padding in every row: the dataset pads to --max-prompt-length, and
-    prefilling those columns would cost time for nothing (positions do not change)."""
-    real = prompts.batch["attention_mask"].any(dim=0).nonzero()
-    first = int(real[0]) if len(real) else 0
-    for key in GEN_KEYS:
-        prompts.batch[key] = prompts.batch[key][:, first:]
-    return prompts
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:

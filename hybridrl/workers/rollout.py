@@ -8,7 +8,7 @@ import numpy as np
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.rollout.agent_loop import build_agent_loop
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.base import SamplingParams, eos_ids
 from hybridrl.rollout.native import NativeRolloutEngine
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
@@ -32,7 +32,7 @@ class RolloutWorker(Worker):
                                    override_config=dict(arr.model.override_config))
             self.engine = NativeRolloutEngine(model)
             generation_config = model.generation_config
-        eos = _eos_ids(tokenizer, generation_config)
+        eos = eos_ids(tokenizer, generation_config)
         r = self.rollout
         self.train_params = SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length,
@@ -93,12 +93,3 @@ def _load_generation_config(path):
 
     folder = resolve_model_dir(path)
     return GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").exists() else None
-
-
-def _eos_ids(tokenizer, generation_config) -> tuple[int, ...]:
-    """End-of-response ids: the tokenizer's eos plus the model's generation_config eos (which
-    chat models often set to the end-of-turn token, e.g. ``<|im_end|>``)."""
-    ids = [tokenizer.eos_token_id]
-    gen_eos = getattr(generation_config, "eos_token_id", None)
-    ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
