@@ -69,7 +69,7 @@ class NativeRolloutEngine:
         params: SamplingParams,
     ) -> dict[str, torch.Tensor]:
         """Tensor-level `generate`: prompts (N,P) left-padded -> the output columns (B = N*G rows)."""
-        _check_prompts(input_ids, attention_mask, position_ids)
+        check_prompts(input_ids, attention_mask, position_ids)
         full_ids, full_mask = input_ids, attention_mask
         # Prompts come padded to data.max_prompt_length: columns that are padding in every row would be
         # prefilled and attended to (masked) at every decode step for nothing. Outputs keep width P.
@@ -87,7 +87,7 @@ class NativeRolloutEngine:
             out = self._generate_chunk(input_ids[rows], attention_mask[rows], position_ids[rows], params, chunk_uniforms)
             for acc, value in zip((responses, log_probs, lengths), out):
                 acc.append(value)
-        return _assemble(full_ids, full_mask, torch.cat(responses), torch.cat(log_probs), torch.cat(lengths), params)
+        return assemble_outputs(full_ids, full_mask, torch.cat(responses), torch.cat(log_probs), torch.cat(lengths), params)
 
     def _generate_chunk(self, input_ids, attention_mask, position_ids, params, uniforms):
         """Decode one chunk. Returns responses (b,R) int64, log_probs (b,R) float32, lengths (b,)."""
@@ -150,7 +150,7 @@ class NativeRolloutEngine:
         """Before rollouts: nothing to do, the cache is allocated lazily by `generate`."""
 
 
-def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
     """Prompts must be (N,P) with matching shapes and left padding (last column real in every row)."""
     shapes = {"input_ids": input_ids.shape, "attention_mask": attention_mask.shape, "position_ids": position_ids.shape}
     if input_ids.dim() != 2 or len(set(shapes.values())) != 1:
@@ -164,7 +164,7 @@ def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
         )
 
 
-def _assemble(input_ids, attention_mask, responses, log_probs, lengths, params) -> dict[str, torch.Tensor]:
+def assemble_outputs(input_ids, attention_mask, responses, log_probs, lengths, params) -> dict[str, torch.Tensor]:
     """Build the output columns from raw decoded tokens (garbage after each row's length)."""
     n, length = params.n, params.max_new_tokens
     response_mask = torch.arange(length, device=responses.device)[None, :] < lengths[:, None]

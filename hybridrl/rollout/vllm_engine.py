@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.native import PROMPT_KEYS, _assemble, _check_prompts
+from hybridrl.rollout.native import PROMPT_KEYS, assemble_outputs, check_prompts
 
 if TYPE_CHECKING:
     from hybridrl.protocol import DataProto
@@ -118,7 +118,7 @@ class VllmRolloutEngine:
     def generate_tensors(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          params: SamplingParams) -> dict[str, torch.Tensor]:
         """Prompts (N,P) left-padded -> the output columns (B = N*G rows), as the native engine."""
-        _check_prompts(input_ids, attention_mask, position_ids)
+        check_prompts(input_ids, attention_mask, position_ids)
         from vllm.inputs import TokensPrompt
 
         token_lists = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), attention_mask.cpu().bool())]
@@ -129,7 +129,7 @@ class VllmRolloutEngine:
             self.sleep()
         responses, log_probs, lengths = _collect(outputs, params)
         device = input_ids.device
-        return _assemble(input_ids, attention_mask, responses.to(device), log_probs.to(device), lengths.to(device), params)
+        return assemble_outputs(input_ids, attention_mask, responses.to(device), log_probs.to(device), lengths.to(device), params)
 
     def request_params(self, params: SamplingParams, num_prompts: int) -> list:
         """One vLLM SamplingParams per prompt.
