@@ -12,7 +12,7 @@ __all__ = ["init_ray"]
 # Environment a worker needs to behave like the driver (offline hubs, quiet tokenizers). A local
 # cluster inherits the driver's environment anyway; runtime_env carries these to remote nodes.
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
-                  "HF_HOME", "PYTHONHASHSEED")
+                  "HYBRIDRL_NUM_THREADS", "HF_HOME", "PYTHONHASHSEED")
 
 
 def init_ray(
@@ -34,6 +34,10 @@ def init_ray(
     """
     # Read by Ray when it starts: without it Ray 2.5x warns about token authentication.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts workers at nice 15 by default. hybridrl's workers are where the training and the
+    # rollout run, so on a machine shared with anything else (the driver's reward processes, an
+    # editor, a second job) they would get the leftovers: start them at normal priority instead.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     if ray.is_initialized():

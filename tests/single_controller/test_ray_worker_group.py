@@ -59,6 +59,12 @@ def test_ranks_get_rendezvous_env_and_gloo_all_reduce_works(colocated):
     assert colocated.actor.all_reduce_rank() == [3.0, 3.0]  # (0+1) + (1+1) on every rank
 
 
+def test_workers_run_at_the_drivers_priority(colocated):
+    """Ray's default would start them at nice 15, starved by anything else on the machine."""
+    pids = colocated.worker_pids()
+    assert pids and all(os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) for pid in pids)
+
+
 def test_dp_split_pads_five_rows_over_two_ranks(colocated):
     out = colocated.actor.scale_rows(make_rows(5), offset=0.5)
     assert out.batch["y"].tolist() == [0.5, 2.5, 4.5, 6.5, 8.5]
