@@ -123,7 +123,7 @@ def prepare(task: str, out_dir: str | Path, input_path: str | Path | None = None
 
 _KNOBS = {
     # task: CLI options that are difficulty knobs of its generator
-    "addition": ("min_digits", "max_digits", "num_operands"),
+    "addition": ("min_digits", "max_digits", "num_operands", "operator", "style"),
     "reverse": ("min_len", "max_len", "alphabet"),
     "sort": ("min_len", "max_len", "max_value"),
     "countdown": ("min_numbers", "max_numbers", "max_number"),
@@ -142,12 +142,18 @@ def build_parser(prog: str = "python -m hybridrl.data.preprocess") -> argparse.A
                  "min_numbers", "max_numbers", "max_number"):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
     p.add_argument("--alphabet", choices=["digits", "letters"], default=None, help="reverse: characters")
+    p.add_argument("--operator", choices=["+", "*", "add", "mul"], default=None,
+                   help="addition: + / add (default) or * / mul (products); quote '*' in a shell")
+    p.add_argument("--style", choices=["bare", "question"], default=None,
+                   help="addition: '12+345=' (bare, default) or a question for instruction-tuned models")
     return p
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hybridrl.data.preprocess") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.operator is not None:
+        args.operator = {"add": "+", "mul": "*"}.get(args.operator, args.operator)
     knobs = {k: getattr(args, k) for k in _KNOBS.get(args.task, ()) if getattr(args, k) is not None}
     unused = [k for k in (*{k for ks in _KNOBS.values() for k in ks},) if getattr(args, k) is not None and k not in knobs]
     if unused:

@@ -14,6 +14,7 @@ Every generator is a pure function of its arguments and ``seed``.
 
 from __future__ import annotations
 
+import math
 import random
 import string
 from typing import Any
@@ -44,13 +45,30 @@ def _number(rng: random.Random, min_digits: int, max_digits: int) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def addition_example(rng: random.Random, min_digits: int = 1, max_digits: int = 3, num_operands: int = 2):
-    """(prompt, ground truth, solution) for ``a+b(+c...)=``; each operand has ``min_digits..max_digits`` digits."""
+QUESTION_ARITHMETIC = "What is {expression}? Reply with only the number."
+
+
+def addition_example(rng: random.Random, min_digits: int = 1, max_digits: int = 3, num_operands: int = 2,
+                     operator: str = "+", style: str = "bare"):
+    """(prompt, ground truth, solution) for ``a+b(+c...)=`` (or ``*``); each operand has ``min_digits..max_digits`` digits.
+
+    ``style="bare"`` asks ``12+345=`` (for models trained from scratch); ``style="question"`` asks
+    ``What is 12 + 345? Reply with only the number.`` (for instruction-tuned models such as SmolLM2).
+    Either way the answer is the bare number, scored by ``hybridrl.rewards.synthetic.addition_score``.
+    """
     if not 1 <= min_digits <= max_digits or num_operands < 2:
         raise ValueError(f"addition needs 1 <= min_digits <= max_digits and num_operands >= 2, got "
                          f"{min_digits}, {max_digits}, {num_operands}")
+    if operator not in ("+", "*") or style not in ("bare", "question"):
+        raise ValueError(f"addition needs operator in ('+', '*') and style in ('bare', 'question'), got "
+                         f"{operator!r}, {style!r}")
     operands = [_number(rng, min_digits, max_digits) for _ in range(num_operands)]
-    return "+".join(map(str, operands)) + "=", str(sum(operands)), str(sum(operands))
+    value = sum(operands) if operator == "+" else math.prod(operands)
+    if style == "bare":
+        prompt = operator.join(map(str, operands)) + "="
+    else:
+        prompt = QUESTION_ARITHMETIC.format(expression=f" {operator} ".join(map(str, operands)))
+    return prompt, str(value), str(value)
 
 
 def reverse_example(rng: random.Random, min_len: int = 3, max_len: int = 6, alphabet: str = "digits"):

@@ -2,6 +2,7 @@
 tasks (seeded, test disjoint from train, gold solutions score 1.0) and the command lines."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,25 @@ def test_synthetic_knobs_and_small_task_space():
         generate_splits("addition", 200, 50, max_digits=1)  # only 100 distinct prompts exist
     with pytest.raises(ValueError, match="alphabet"):
         generate_splits("reverse", 5, 5, alphabet="emoji")
+
+
+def test_addition_question_style_and_products(tmp_path):
+    """The question style (for instruction-tuned models) and ``*`` keep the bare-number answer."""
+    rows = generate_splits("addition", 60, 20, min_digits=2, max_digits=2, operator="*", style="question")["train"]
+    for row in rows:
+        match = re.fullmatch(r"What is (\d+) \* (\d+)\? Reply with only the number\.", row["prompt"][0]["content"])
+        assert match, row
+        truth = int(match[1]) * int(match[2])
+        assert row["reward_model"]["ground_truth"] == row["extra_info"]["solution"] == str(truth)
+        assert default_compute_score(row["data_source"], f"{match[1]} * {match[2]} = {truth}", str(truth)) == 0.0  # strict
+    with pytest.raises(ValueError, match="operator"):
+        generate_splits("addition", 5, 5, operator="-")
+    with pytest.raises(ValueError, match="style"):
+        generate_splits("addition", 5, 5, style="poem")
+    assert main(["addition", "--out", str(tmp_path / "mul"), "--n", "20", "--n-test", "5", "--operator", "mul",
+                 "--style", "question"]) == 0
+    first = pq.read_table(tmp_path / "mul" / "train.parquet").to_pylist()[0]["prompt"][0]["content"]
+    assert " * " in first and first.startswith("What is ")
 
 
 def test_module_entry_point_and_cli(tmp_path, capsys):
