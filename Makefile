@@ -77,7 +77,7 @@ endif
 # In-process engine core: the multiprocess default needs a __main__ guard and is ~5x slower at
 # these sizes (PLATFORM.md).
 test-vllm: vllm-venv
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest tests/vllm_rollout -q
+	HYBRIDRL_REQUIRE_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest tests/vllm_rollout -q
 
 # Benchmarks (benchmarks/, docs/performance.md): hybridrl vs TRL GRPOTrainer side by side, rollout vs
 # HF generate, phase breakdown against the machine's floor; writes BENCHMARKS.md. trl 1.16 leaves
