@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument("--sft-batch", type=int, default=64)
     parser.add_argument("--prompts-per-step", type=int, default=16, help="GRPO prompts per step (x8 samples)")
     parser.add_argument("--n-test", type=int, default=128)
-    parser.add_argument("--tool-fraction", type=float, default=0.5)
+    parser.add_argument("--tool-fraction", type=float, default=0.3,
+                        help="share of SFT chats that call the calculator (the rest answer directly)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from hybridrl.models import make_tiny_model_dir
