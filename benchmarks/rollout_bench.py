@@ -158,15 +158,21 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rollout_parser(doc: str, new_tokens: int, out: Path) -> argparse.ArgumentParser:
+    """The options every rollout benchmark takes (this one and rollout_vllm.py)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,smollm2", help="comma list: tiny, small, 25m, smollm2")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = rollout_parser(__doc__, new_tokens=128, out=RESULTS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

