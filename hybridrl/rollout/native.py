@@ -51,14 +51,7 @@ class NativeRolloutEngine:
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """See `RolloutEngine.generate`; non-tensor columns are repeated G times interleaved."""
-        from hybridrl.protocol import DataProto
-
-        missing = [key for key in PROMPT_KEYS if key not in prompts.batch]
-        if missing:
-            raise KeyError(f"generate: prompt batch lacks {missing}; it has {sorted(prompts.batch)}")
-        tensors = self.generate_tensors(*(prompts.batch[key] for key in PROMPT_KEYS), params)
-        non_tensors = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
+        return generate_proto(self.generate_tensors, prompts, params)
 
     @torch.inference_mode()
     def generate_tensors(
@@ -148,6 +141,19 @@ class NativeRolloutEngine:
 
     def wake(self) -> None:
         """Before rollouts: nothing to do, the cache is allocated lazily by `generate`."""
+
+
+def generate_proto(generate_tensors, prompts: DataProto, params: SamplingParams) -> DataProto:
+    """`RolloutEngine.generate` on top of an engine's `generate_tensors(input_ids, attention_mask,
+    position_ids, params)`: checks the prompt columns, repeats non-tensor columns G times interleaved."""
+    from hybridrl.protocol import DataProto
+
+    missing = [key for key in PROMPT_KEYS if key not in prompts.batch]
+    if missing:
+        raise KeyError(f"generate: prompt batch lacks {missing}; it has {sorted(prompts.batch)}")
+    tensors = generate_tensors(*(prompts.batch[key] for key in PROMPT_KEYS), params)
+    non_tensors = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
 
 
 def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:

@@ -26,11 +26,10 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.native import PROMPT_KEYS, assemble_outputs, check_prompts
+from hybridrl.rollout.native import assemble_outputs, check_prompts, generate_proto
 
 if TYPE_CHECKING:
     from hybridrl.protocol import DataProto
@@ -106,14 +105,7 @@ class VllmRolloutEngine:
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """See `RolloutEngine.generate`; non-tensor columns are repeated G times interleaved."""
-        from hybridrl.protocol import DataProto
-
-        missing = [key for key in PROMPT_KEYS if key not in prompts.batch]
-        if missing:
-            raise KeyError(f"generate: prompt batch lacks {missing}; it has {sorted(prompts.batch)}")
-        tensors = self.generate_tensors(*(prompts.batch[key] for key in PROMPT_KEYS), params)
-        non_tensors = {k: np.repeat(v, params.n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
+        return generate_proto(self.generate_tensors, prompts, params)
 
     def generate_tensors(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          params: SamplingParams) -> dict[str, torch.Tensor]:
