@@ -11,6 +11,13 @@ and costs attention over the whole packed row on CPU.
 
 The engine sorts rows by length before cutting micro-batches (``seqlen_balancing``), so computed
 tokens ``b * W`` stay close to the real tokens ``sum(p_i + r_i)``.
+
+When every span is unbroken (no zero inside it) and its positions count up by one, the mask says
+nothing causal attention does not: a real column only sees columns to its left, all real. Such a
+micro-batch is marked ``dense`` and the engine drops the mask, so attention takes its unmasked
+causal kernel (a few percent of a CPU training step) with identical numbers at real positions. The
+padding columns then get positions that continue each row's count, so that Hugging Face does not
+read the batch as several sequences packed into one row (it splits rows where positions restart).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class PackedRows:
     position_ids: torch.Tensor
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
+    dense: bool = False  # every span unbroken with positions +1 per column: the mask can be dropped
 
     @property
     def computed_tokens(self) -> int:
@@ -81,12 +89,16 @@ def pack_rows(
     index = (start[:, None] + cols[None, :]).clamp(max=input_ids.shape[1] - 1)
     inside = cols[None, :] < total[:, None]
     mask = attention_mask.gather(1, index) * inside.to(attention_mask.dtype)
+    positions = position_ids.gather(1, index)
+    counting = positions[:, :1] + cols[None, :]
+    dense = bool(mask.sum() == total.sum()) and bool(((positions == counting) | ~inside).all())
     return PackedRows(
         input_ids=input_ids.gather(1, index),
         attention_mask=mask,
-        position_ids=position_ids.gather(1, index),
+        position_ids=counting if dense else positions,
         prompt_lens=p,
         response_lens=r,
+        dense=dense,
     )
 
 

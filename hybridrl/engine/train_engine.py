@@ -224,7 +224,8 @@ class TrainEngine:
         if position_ids is None:
             position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
         packed = pack_rows(batch["input_ids"], batch["attention_mask"], position_ids, response_len)
-        kwargs = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask}
+        # dense: causal attention alone is exact at real positions, and the unmasked kernel is faster
+        kwargs = {"input_ids": packed.input_ids, "attention_mask": None if packed.dense else packed.attention_mask}
         kwargs["position_ids"] = packed.position_ids
         if self.model_type == "causal_lm":
             first_col = max(0, int(packed.prompt_lens.min()) - 1)
@@ -307,17 +308,60 @@ def _token_stats(
     temperature: float,
     calculate_entropy: bool,
 ) -> dict[str, torch.Tensor]:
-    """log-probs (and entropy) ``(b, R_mb)`` of the response tokens from ``logits (b, W', V)``."""
-    logits, valid = gather_response(logits, packed, first_col)
-    logits = logits.float() / temperature
-    log_z = torch.logsumexp(logits, dim=-1)
-    tokens = responses[:, : logits.shape[1]]
-    log_probs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
-    out = {"log_probs": torch.where(valid, log_probs, 0.0)}
+    """log-probs (and entropy) ``(b, R_mb)`` of the response tokens from ``logits (b, W', V)``.
+
+    Computed per packed column, for the response token that column predicts (placed there from
+    ``responses``), then the small ``(b, W')`` results are aligned to the responses: no
+    ``(b, R, V)`` copy of the logits is made, and the backward pass writes one ``(b, W', V)``
+    gradient (see ``_NextTokenLogProb``).
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    per_col = {"log_probs": _NextTokenLogProb.apply(logits, _column_targets(responses, packed, first_col, logits.shape[1]))}
     if calculate_entropy:
         probs = torch.softmax(logits, dim=-1)
-        out["entropy"] = torch.where(valid, log_z - (probs * logits).sum(-1), 0.0)
+        per_col["entropy"] = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    out = {}
+    for key, value in per_col.items():
+        aligned, valid = gather_response(value, packed, first_col)
+        out[key] = torch.where(valid, aligned, 0.0)
     return out
+
+
+def _column_targets(responses: torch.Tensor, packed: PackedRows, first_col: int, width: int) -> torch.Tensor:
+    """``(b, width)`` token ids: at the column predicting response token ``j`` (``p_i - 1 + j -
+    first_col``, as in ``gather_response``) that token; 0 at columns that predict no response token."""
+    r_mb = max(1, int(packed.response_lens.max()))
+    j = torch.arange(r_mb, device=responses.device)
+    col = (packed.prompt_lens[:, None] - 1 + j[None, :] - first_col).clamp(0, width - 1)
+    # columns of j >= r_i lie after every real one of the row, so they never overwrite a valid target
+    return torch.zeros(responses.shape[0], width, dtype=torch.long, device=responses.device).scatter_(
+        1, col, responses[:, :r_mb].long())
+
+
+class _NextTokenLogProb(torch.autograd.Function):
+    """``log_softmax(logits)[target]`` per position: ``logits (..., V)``, ``targets (...)`` -> ``(...)``.
+
+    Same forward numbers as ``logits.gather(target) - logsumexp(logits)``. Autograd would build the
+    gradient from a gather backward (zeros + scatter) plus a logsumexp backward (three temporaries)
+    and add them; here it is one tensor, ``-g * softmax`` made in place, plus ``g`` at the targets,
+    which is the same sum in the same order. On CPU the logits are the largest tensors of a small
+    model's step, so this is a few passes over them fewer.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_z = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, targets, log_z)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, log_z = ctx.saved_tensors
+        grad = grad.unsqueeze(-1)
+        d_logits = torch.sub(logits, log_z.unsqueeze(-1)).exp_().mul_(-grad)
+        return d_logits.scatter_add_(-1, targets.unsqueeze(-1), grad), None
 
 
 def _values_of(output: Any) -> torch.Tensor:

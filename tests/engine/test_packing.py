@@ -45,3 +45,28 @@ def test_gather_response_aligns_with_prompt_ends():
     assert valid.tolist() == [[True, False, False], [True, True, True]]
     y, _ = gather_response(cols[:, 1:], packed, first_col=1)
     assert y[1].tolist() == [2, 3, 4]
+
+
+def test_unbroken_spans_are_dense_and_count_positions_over_the_padding():
+    ids, mask, pos = _example()
+    packed = pack_rows(ids, mask, pos, 3)
+    assert packed.dense
+    # row 0's padding columns continue its count, so no position restarts inside a row
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
+
+
+def test_a_zero_inside_a_span_keeps_the_mask_and_positions():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 0, 1, 1]])  # a masked token inside the response
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed = pack_rows(ids, mask, pos, 3)
+    assert not packed.dense
+    assert packed.attention_mask.tolist() == [[1, 1, 0, 1, 1]]
+    assert packed.position_ids.tolist() == pos.tolist()
+
+
+def test_positions_that_do_not_count_up_are_not_dense():
+    ids, mask, _ = _example()
+    pos = torch.zeros_like(ids)  # e.g. a caller's own position scheme
+    packed = pack_rows(ids, mask, pos, 3)
+    assert not packed.dense and packed.position_ids.tolist() == [[0] * 6, [0] * 6]

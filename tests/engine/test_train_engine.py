@@ -36,6 +36,21 @@ def test_forward_matches_padded_definition(mode):
     assert real <= out.meta_info["computed_tokens"] <= data.batch["input_ids"].numel()
 
 
+def test_forward_with_a_masked_token_inside_a_response_keeps_the_mask():
+    # a zero inside a span (a masked tool token) is a key no later token may see: the engine must
+    # keep the mask there, while unbroken rows drop it (causal attention alone is exact for them)
+    model = build_model()
+    data = make_batch(batch_size=6, seed=4)
+    mask = data.batch["attention_mask"]
+    row = int(torch.nonzero(mask[:, -10:].sum(1) >= 4)[0])
+    mask[row, -10 + 1] = 0
+    data.batch["response_mask"][row, 1] = 0
+    ref = reference_outputs(model, data)
+    out = TrainEngine(model, lr=1e-3).forward(data)
+    keys = mask[:, -10:]  # the masked token's own log-prob is not part of the definition
+    torch.testing.assert_close(out.batch["log_probs"] * keys, ref["log_probs"], rtol=0, atol=2e-6)
+
+
 def test_train_step_is_invariant_to_micro_batching():
     data = make_batch(batch_size=10, seed=3)
     tokens = int(data.batch["response_mask"].sum())
