@@ -78,10 +78,10 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF rotary embedding (rotate-half form). x (b,h,t,D); cos/sin (b,t,D)."""
+    """HF rotary embedding (rotate-half form), the same operations. x (b,t,h,D); cos/sin (b,t,1,D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return x * cos + rotated * sin
 
 
 class CompactDecoder:
@@ -172,22 +172,27 @@ class CompactDecoder:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
         """Hidden states (b,t,E) before the final norm; writes each layer's keys/values at `start`."""
         hidden = self.model.model.embed_tokens(ids)
+        # the boolean mask as SDPA's additive one, made once here rather than inside every layer's call
+        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         cos, sin = self.model.model.rotary_emb(hidden, pos)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (b,t,1,D): broadcast over heads, once per call
         for index, (fused, layer) in enumerate(zip(self.layers, self.model.model.layers)):
             attn_in = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, fused, attn_in, cos, sin, mask, start)
             mlp_in = layer.post_attention_layernorm(hidden)
             gate, up = _dense(mlp_in, fused.gate_up, fused.gate_up_b).chunk(2, dim=-1)
-            hidden = hidden + _dense(self.act(gate) * up, fused.down, fused.down_b)
+            # act(gate) * up formed in place: act's output (or, for an identity, gate's half of the
+            # fresh matmul output) is read by nothing else; the values are those of act(gate) * up
+            hidden = hidden + _dense(self.act(gate).mul_(up), fused.down, fused.down_b)
         return hidden
 
     def _attention(self, index, fused, x, cos, sin, mask, start) -> torch.Tensor:
         """Self-attention of x (b,t,E) over the cache; t > 1 is prefill (keys = x's own)."""
         b, t, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = _dense(x, fused.qkv, fused.qkv_b).split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = _rotate(q.view(b, t, hq, d).transpose(1, 2), cos, sin)
-        k = _rotate(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
+        qk, v = _dense(x, fused.qkv, fused.qkv_b).split([(hq + hkv) * d, hkv * d], dim=-1)
+        # queries and keys rotated together: one set of rotary ops per layer instead of two
+        q, k = _rotate(qk.view(b, t, hq + hkv, d), cos, sin).transpose(1, 2).split([hq, hkv], dim=1)
         v = v.view(b, t, hkv, d).transpose(1, 2)
         self.cache.write(index, start, k, v)
         if t > 1:
