@@ -1,9 +1,11 @@
 """TrainEngine: the one training interface, FSDP2 over any process group (gloo on CPU, NCCL on GPU).
 
-Without an initialised process group the same class runs the plain module at world size 1; with
-one (even of a single rank) the model is sharded with ``fully_shard``. Everything else (padding
-removal, micro-batching, loss accumulation, clipping, checkpoints, weight streaming) is one code
-path.
+Over a process group of two or more ranks the model is sharded with ``fully_shard``; at world
+size 1 (no group, or a group of one rank) the same class runs the plain module, since sharding
+over one rank only adds copies (each forward and backward gathers every parameter into a second
+buffer: 8-10% of a SmolLM2 step on CPU). Everything else (padding removal, micro-batching, loss
+accumulation, clipping, checkpoints, weight streaming) is one code path, and checkpoints move
+between world sizes either way.
 
 Batch contract (``DataProto`` keys, shape letters as in ``hybridrl.protocol``): ``input_ids``,
 ``attention_mask`` and optionally ``position_ids`` ``(B, T)``, ``responses (B, R)``, with
@@ -52,8 +54,8 @@ class TrainEngine:
         grad_clip: max global grad norm; ``None`` or ``<= 0`` measures the norm without clipping.
         lr_scheduler, warmup_steps, total_steps, min_lr_ratio: see ``lr_schedule``.
         param_dtype, reduce_dtype: FSDP mixed precision (``"float32"``, ``"bfloat16"``,
-            ``"float16"``); master weights and optimizer state stay float32. Without a process group
-            a lower ``param_dtype`` runs the forward under ``torch.autocast``.
+            ``"float16"``); master weights and optimizer state stay float32. At world size 1 (no
+            sharding) a lower ``param_dtype`` runs the forward under ``torch.autocast``.
         process_group: defaults to WORLD when initialised, else no group (plain world size 1).
         gradient_checkpointing: recompute block activations in backward (HF models).
         device: defaults to ``cuda:<LOCAL_RANK>`` with CUDA, else CPU.
@@ -91,11 +93,13 @@ class TrainEngine:
         model.to(self.device)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
-        if self.group is not None:
+        self.sharded = self.group is not None and self.world_size > 1
+        if self.sharded:
             model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce)
         self.model = model
         self.grad_clip = grad_clip if grad_clip is not None and grad_clip > 0 else float("inf")
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                           fused=_fused_adamw(self.device))
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, lr_scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
         )
@@ -246,7 +250,7 @@ class TrainEngine:
 
     def _autocast(self):
         # FSDP casts through its MixedPrecisionPolicy; the plain module needs autocast instead.
-        if self.group is None and self.param_dtype != torch.float32:
+        if not self.sharded and self.param_dtype != torch.float32:
             return torch.autocast(self.device.type, dtype=self.param_dtype)
         return contextlib.nullcontext()
 
@@ -266,6 +270,17 @@ class TrainEngine:
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` one at a time, HF names (tied weights once); collective."""
         return ckpt.iter_full_tensors(self.model, dtype)
+
+
+def _fused_adamw(device: torch.device) -> bool | None:
+    """torch's fused AdamW (one kernel per tensor for every moment and the update) where it has one.
+
+    On CPU torch otherwise takes its per-tensor loop of about ten ops per parameter, each through
+    DTensor's dispatch under FSDP2: for SmolLM2 (272 tensors, 134M values) a step took 1.33 s with
+    the loop and 0.22 s fused, with the same parameters after three steps (difference 0.0).
+    ``None`` elsewhere leaves torch's own default.
+    """
+    return True if device.type in ("cpu", "cuda") else None
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -48,11 +48,15 @@ def main(out: Path) -> None:
     resumed.load_checkpoint(out / "ckpt")
     m2_resumed = resumed.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
     resumed_equal = all(torch.equal(a, params_of(engine.model)[n]) for n, a in params_of(resumed.model).items())
+    # a checkpoint written at world size 1 (an unsharded module; test_distributed writes it first)
+    from_single = TrainEngine(build_model(seed=6), lr=1e-3, grad_clip=0.5)
+    from_single.load_checkpoint(out / "ckpt_ws1")
+    m2_from_ws1 = from_single.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
     local_shapes = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
     torch.save(
         {
             "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
-            "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal,
+            "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
             "full": full, "local_shapes": local_shapes, "local_count": local_count,
         },
         out / f"rank{rank}.pt",

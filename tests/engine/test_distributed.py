@@ -28,6 +28,7 @@ def _free_port() -> int:
 def two_ranks(tmp_path_factory):
     """Run dist_worker.py as ranks 0 and 1; returns (their result dicts, output dir)."""
     out = tmp_path_factory.mktemp("dist")
+    _world_size_1_checkpoint(out / "ckpt_ws1")
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     procs = []
@@ -45,6 +46,14 @@ def two_ranks(tmp_path_factory):
     for rank, (proc, _) in enumerate(procs):
         assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+def _world_size_1_checkpoint(path: Path) -> None:
+    """The first step of `single` at world size 1, saved for the 2-rank workers to resume from."""
+    batch = make_batch(batch_size=12, seed=21)
+    engine = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5)
+    engine.train_step(batch, pg_loss_fn(int(batch.batch["response_mask"].sum())))
+    engine.save_checkpoint(path)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +115,18 @@ def test_export_from_two_ranks_reloads(two_ranks):
     model = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), ranks[0]["full"][name][1])
+
+
+def test_checkpoints_move_between_world_sizes(two_ranks, single):
+    # world size 1 -> 2: the workers resumed the unsharded engine's checkpoint and took step 2
+    ranks, out = two_ranks
+    for res in ranks:
+        assert res["m2_from_ws1"]["loss"] == pytest.approx(single["m2"]["loss"], rel=1e-5)
+        assert res["m2_from_ws1"]["grad_norm"] == pytest.approx(single["m2"]["grad_norm"], rel=1e-5)
+    # world size 2 -> 1: an unsharded engine resumes the 2-rank checkpoint and takes step 2
+    batch = make_batch(batch_size=12, seed=22)
+    engine = TrainEngine(build_model(seed=7), lr=1e-3, grad_clip=0.5)
+    engine.load_checkpoint(out / "ckpt")
+    m2 = engine.train_step(batch, pg_loss_fn(int(batch.batch["response_mask"].sum())))
+    assert m2["loss"] == pytest.approx(ranks[0]["m2"]["loss"], rel=1e-5)
+    assert m2["grad_norm"] == pytest.approx(ranks[0]["m2"]["grad_norm"], rel=1e-5)
