@@ -37,9 +37,16 @@ class NativeRolloutEngine:
     max_num_seqs: most sequences (rows) decoded together; bounds KV-cache memory.
     compact: use `CompactDecoder` (Llama/Qwen2); None picks it when the model supports it,
         otherwise the generic HF forward is used.
+    share_weights: `update_weights` adopts each given tensor as the parameter's storage (no copy)
+        when its dtype and device match, instead of copying it in. For a colocated trainer that
+        streams its own parameters (world size 1) the rollout then reads them in place: later
+        syncs copy nothing and the rollout's own copy of the model is freed. The caller must not
+        change the given tensors while the engine generates (the hybrid engine never does: it
+        trains and generates in turn, and syncs after every update).
     """
 
-    def __init__(self, model: PreTrainedModel, max_num_seqs: int = 256, compact: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, max_num_seqs: int = 256, compact: bool | None = None,
+                 share_weights: bool = False) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         ok, why = supports_compact(model)
@@ -47,6 +54,7 @@ class NativeRolloutEngine:
             raise ValueError(f"compact=True but {why}")
         self.model = model.eval()
         self.max_num_seqs = max_num_seqs
+        self.share_weights = share_weights
         self.decoder = CompactDecoder(model) if (ok if compact is None else compact) else HFDecoder(model)
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
@@ -115,9 +123,10 @@ class NativeRolloutEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy trainer weights (HF state-dict names, full tensors) into the model, then re-derive the
-        decoder's fused weights. Unknown names and shape mismatches raise, naming the key. An empty
-        iterable only re-derives (use it after changing the model's parameters in place)."""
+        """Copy trainer weights (HF state-dict names, full tensors) into the model (or adopt them, with
+        `share_weights`), then re-derive the decoder's fused weights. Unknown names and shape
+        mismatches raise, naming the key. An empty iterable only re-derives (use it after changing
+        the model's parameters in place)."""
         targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in targets:
@@ -128,7 +137,13 @@ class NativeRolloutEngine:
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
                 )
-            target.data.copy_(tensor.detach().to(dtype=target.dtype, device=target.device))
+            source = tensor.detach()
+            if target.data_ptr() == source.data_ptr():
+                continue  # already shared: the trainer updated it in place
+            if self.share_weights and source.dtype == target.dtype and source.device == target.device:
+                target.data = source
+            else:
+                target.data.copy_(source.to(dtype=target.dtype, device=target.device))
         self.decoder.refresh_weights()
 
     def free_cache(self) -> None:

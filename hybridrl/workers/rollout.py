@@ -30,7 +30,9 @@ class RolloutWorker(Worker):
         else:
             model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
                                    override_config=dict(arr.model.override_config))
-            self.engine = NativeRolloutEngine(model)
+            # with a colocated actor the rollout adopts the streamed tensors: at world size 1 they are
+            # the actor's own parameters, so later syncs copy nothing and one model copy is freed
+            self.engine = NativeRolloutEngine(model, share_weights=actor is not None)
             generation_config = model.generation_config
         eos = eos_ids(tokenizer, generation_config)
         r = self.rollout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -222,6 +224,31 @@ def test_update_weights_switches_model(compact):
     expected = run(NativeRolloutEngine(build_tiny("qwen2", seed=1), compact=compact), greedy())["responses"]
     assert not torch.equal(before, after)
     assert torch.equal(after, expected)
+
+
+def test_shared_weights_are_read_in_place_and_follow_the_trainer():
+    trainer = build_tiny("qwen2", seed=1)  # stands for the colocated actor's model
+    engine = NativeRolloutEngine(build_tiny("qwen2", seed=0), share_weights=True)
+    engine.update_weights((name, t.detach()) for name, t in trainer.named_parameters())
+    shared = dict(engine.model.named_parameters())
+    assert all(shared[name].data_ptr() == t.data_ptr() for name, t in trainer.named_parameters())
+    expected = run(NativeRolloutEngine(copy.deepcopy(trainer)), greedy())["responses"]
+    assert torch.equal(run(engine, greedy())["responses"], expected)
+    # the trainer steps in place; the next sync copies nothing and re-derives the fused weights
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.mul_(1.5)
+    engine.update_weights((name, t.detach()) for name, t in trainer.named_parameters())
+    expected = run(NativeRolloutEngine(copy.deepcopy(trainer)), greedy())["responses"]
+    assert torch.equal(run(engine, greedy())["responses"], expected)
+
+
+def test_update_weights_copies_by_default():
+    source = build_tiny("qwen2", seed=1)
+    engine = NativeRolloutEngine(build_tiny("qwen2", seed=0))
+    engine.update_weights((name, t.detach()) for name, t in source.named_parameters())
+    ptrs = {name: t.data_ptr() for name, t in source.named_parameters()}
+    assert all(t.data_ptr() != ptrs[name] for name, t in engine.model.named_parameters())
 
 
 def test_update_weights_rejects_unknown_and_misshaped(tiny_model):
