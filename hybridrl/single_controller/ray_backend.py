@@ -31,6 +31,10 @@ __all__ = ["RayBackend"]
 # Every live backend, so a driver that exits (normally or by an exception) kills its actors
 # before Ray's own exit hook runs (atexit is LIFO and ray was imported above this registration).
 _LIVE: weakref.WeakSet[RayBackend] = weakref.WeakSet()
+# How long a rank's task error waits for its peers, so that a rank that died is reported as the
+# cause rather than a peer's "connection closed" error (ray_backend.RayBackend._death_behind).
+DEATH_GRACE_S = 5.0
+
 _REMOTE_HOST = None
 
 
@@ -109,7 +113,8 @@ class RayBackend:
         ]
 
     def wait(self, handle: list[tuple[int, Any]], role: str, method: str) -> list[Any]:
-        """Results in handle order; raises WorkerError for the FIRST rank that fails."""
+        """Results in handle order; raises WorkerError for the first rank that fails, or
+        WorkerDiedError for a rank that died, which takes precedence (see ``_death_behind``)."""
         rank_of = {ref: rank for rank, ref in handle}
         results: dict[Any, Any] = {}
         pending = list(rank_of)
@@ -119,8 +124,31 @@ class RayBackend:
                 try:
                     results[ref] = ray.get(ref)
                 except RayError as err:
-                    raise self._error(err, rank_of[ref], role, method) from err
+                    cause, rank = (err, rank_of[ref])
+                    if isinstance(err, RayTaskError):
+                        cause, rank = self._death_behind(pending, rank_of) or (cause, rank)
+                    raise self._error(cause, rank, role, method) from cause
         return [results[ref] for _, ref in handle]
+
+    @staticmethod
+    def _death_behind(pending: list, rank_of: dict, grace_s: float = DEATH_GRACE_S):
+        """A rank whose process died, among the calls still pending, as ``(error, rank)``; else None.
+
+        When one rank exits inside a collective, its peers' gloo/NCCL calls fail with "connection
+        closed by peer" at about the moment Ray notices the death, and either can reach the driver
+        first. The dead rank is the cause, so a task error waits up to ``grace_s`` for the others.
+        """
+        if not pending:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                return err, rank_of[ref]
+            except RayError:
+                continue
+        return None
 
     def _error(self, err: RayError, rank: int, role: str, method: str) -> WorkerError:
         names = "+".join(self._roles[r].cls.__qualname__ for r in role.split(",") if r in self._roles)

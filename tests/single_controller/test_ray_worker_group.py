@@ -150,6 +150,16 @@ def test_rank_exiting_mid_collective_stops_the_call(ray_session):
     pool.release()
 
 
+def test_a_dead_rank_is_reported_before_its_peers_errors(ray_session):
+    # the peers' errors reach the driver first; the rank that died is still the one reported
+    pool = ResourcePool([2], name="sc_race_pool")
+    wg = WorkerGroup(pool, ToyActor, name="sc_race")
+    with pytest.raises(WorkerDiedError) as info:
+        wg.peer_error_before_death(1)
+    assert (info.value.rank, info.value.method) == (1, "peer_error_before_death")
+    pool.release()
+
+
 def test_pool_that_cannot_be_scheduled_fails_with_resources(ray_session):
     pool = ResourcePool([2], num_cpus_per_worker=64, name="sc_too_big", ready_timeout_s=2)
     with pytest.raises(RuntimeError, match="not scheduled within 2s.*available"):

@@ -96,6 +96,15 @@ class ToyActor(Worker):
         dist.all_reduce(t)
         return float(t.item())
 
+    @register(Dispatch.ONE_TO_ALL)
+    def peer_error_before_death(self, bad_rank: int) -> int:
+        """The race of ``exit_during_collective`` in its worst order, every time: the other ranks
+        fail at once (as gloo's "connection closed by peer" does), ``bad_rank`` dies a second later."""
+        if self.rank == bad_rank:
+            time.sleep(1.0)
+            os._exit(3)
+        raise RuntimeError(f"rank {self.rank}: connection closed by peer rank {bad_rank}")
+
 
 class ToyRef(Worker):
     """Colocated with ToyActor: holds the actor object itself (composition in one process)."""
