@@ -333,10 +333,12 @@ def _token_stats(
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    per_col = {"log_probs": _NextTokenLogProb.apply(logits, _column_targets(responses, packed, first_col, logits.shape[1]))}
+    log_z = torch.logsumexp(logits, dim=-1)  # one pass, shared by the log-probs and the entropy
+    targets = _column_targets(responses, packed, first_col, logits.shape[1])
+    per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets, log_z)}
     if calculate_entropy:
         probs = torch.softmax(logits, dim=-1)
-        per_col["entropy"] = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+        per_col["entropy"] = log_z - (probs * logits).sum(-1)
     out = {}
     for key, value in per_col.items():
         aligned, valid = gather_response(value, packed, first_col)
@@ -356,9 +358,12 @@ def _column_targets(responses: torch.Tensor, packed: PackedRows, first_col: int,
 
 
 class _NextTokenLogProb(torch.autograd.Function):
-    """``log_softmax(logits)[target]`` per position: ``logits (..., V)``, ``targets (...)`` -> ``(...)``.
+    """``log_softmax(logits)[target]`` per position: ``logits (..., V)``, ``targets (...)`` and
+    ``log_z = logsumexp(logits)`` ``(...)`` -> ``(...)``.
 
-    Same forward numbers as ``logits.gather(target) - logsumexp(logits)``. Autograd would build the
+    Same forward numbers as ``logits.gather(target) - logsumexp(logits)``. ``log_z`` is taken as
+    given (the caller computes it once for the entropy too) and gets no gradient from here: the
+    backward below is the full derivative through ``logits``, the ``log_z`` term included. Autograd would build the
     gradient from a gather backward (zeros + scatter) plus a logsumexp backward (three temporaries)
     and add them; here it is one tensor, ``-g * softmax`` made in place, plus ``g`` at the targets,
     which is the same sum in the same order. On CPU the logits are the largest tensors of a small
@@ -366,8 +371,7 @@ class _NextTokenLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        log_z = torch.logsumexp(logits, dim=-1)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(logits, targets, log_z)
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
 
@@ -376,7 +380,7 @@ class _NextTokenLogProb(torch.autograd.Function):
         logits, targets, log_z = ctx.saved_tensors
         grad = grad.unsqueeze(-1)
         d_logits = torch.sub(logits, log_z.unsqueeze(-1)).exp_().mul_(-grad)
-        return d_logits.scatter_add_(-1, targets.unsqueeze(-1), grad), None
+        return d_logits.scatter_add_(-1, targets.unsqueeze(-1), grad), None, None
 
 
 def _values_of(output: Any) -> torch.Tensor:
