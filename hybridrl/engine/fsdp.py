@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["DTYPES", "resolve_dtype", "shard_model"]
+__all__ = ["DTYPES", "block_modules", "resolve_dtype", "shard_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +20,7 @@ def resolve_dtype(name: str, what: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _block_modules(model: nn.Module) -> list[nn.Module]:
+def block_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks: HF's ``_no_split_modules`` classes, else the children of the
     largest ``nn.ModuleList`` whose children share one class."""
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
@@ -51,7 +51,7 @@ def shard_model(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=None if reduce_dtype == torch.float32 else reduce_dtype,
     )
-    for block in _block_modules(model):
+    for block in block_modules(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for module in model.modules():

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.engine import checkpoint as ckpt
+from hybridrl.engine.compile import compile_blocks
 from hybridrl.engine.distributed import all_reduce_max, default_device
 from hybridrl.engine.fsdp import resolve_dtype, shard_model
 from hybridrl.engine.lr_schedule import build_lr_scheduler
@@ -58,6 +59,8 @@ class TrainEngine:
             sharding) a lower ``param_dtype`` runs the forward under ``torch.autocast``.
         process_group: defaults to WORLD when initialised, else no group (plain world size 1).
         gradient_checkpointing: recompute block activations in backward (HF models).
+        torch_compile: compile each transformer block's forward (``hybridrl.engine.compile``); the
+            first step pays the compilation.
         device: defaults to ``cuda:<LOCAL_RANK>`` with CUDA, else CPU.
     """
 
@@ -78,6 +81,7 @@ class TrainEngine:
         reduce_dtype: str = "float32",
         process_group: dist.ProcessGroup | None = None,
         gradient_checkpointing: bool = False,
+        torch_compile: bool = False,
         model_type: str = "causal_lm",
         device: torch.device | str | None = None,
     ):
@@ -93,6 +97,8 @@ class TrainEngine:
         model.to(self.device)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
+        if torch_compile:
+            compile_blocks(model, self.device)  # before sharding: FSDP2's hooks stay outside the graph
         self.sharded = self.group is not None and self.world_size > 1
         if self.sharded:
             model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce)

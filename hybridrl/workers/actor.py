@@ -44,7 +44,8 @@ class ActorWorker(Worker):
         self.updates_per_step = self.actor.ppo_epochs * (config.data.train_batch_size // self.actor.ppo_mini_batch_size)
         self.engine = build_engine(model, self.actor.optim, grad_clip=self.actor.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=self.updates_per_step,
-                                   model_dtype=self.actor.fsdp_config.model_dtype)
+                                   model_dtype=self.actor.fsdp_config.model_dtype,
+                                   torch_compile=self.actor.use_torch_compile)
         self.policy_params = PolicyLossParams(
             clip_ratio=self.actor.clip_ratio, clip_ratio_low=self.actor.clip_ratio_low,
             clip_ratio_high=self.actor.clip_ratio_high, clip_ratio_c=self.actor.clip_ratio_c,

@@ -147,8 +147,8 @@ def test_noop_values_of_unsupported_keys_load_and_warn_keys_warn():
     cfg = quick("actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "actor_rollout_ref.model.use_liger=False",
                 "actor_rollout_ref.actor.fsdp_config.grad_offload=False", "actor_rollout_ref.hybrid_engine=True")
     assert cfg.actor_rollout_ref.rollout.n == 4
-    with pytest.warns(ConfigWarning, match="use_torch_compile has no effect"):
-        quick("actor_rollout_ref.actor.use_torch_compile=False")
+    with pytest.warns(ConfigWarning, match="fused_kernel_options.impl_backend has no effect"):
+        quick("actor_rollout_ref.model.fused_kernel_options.impl_backend=torch")
 
 
 def test_renamed_verl_keys_move_with_a_warning():

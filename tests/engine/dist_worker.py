@@ -53,11 +53,17 @@ def main(out: Path) -> None:
     from_single.load_checkpoint(out / "ckpt_ws1")
     m2_from_ws1 = from_single.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
     local_shapes = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
+    # compiled blocks under FSDP2: the gathers stay in eager hooks around the compiled forward
+    compiled = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, torch_compile=True)
+    compiled_fwd = compiled.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
+    compiled_steps = [compiled.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET),
+                      compiled.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)]
     torch.save(
         {
             "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
             "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
             "full": full, "local_shapes": local_shapes, "local_count": local_count,
+            "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
         },
         out / f"rank{rank}.pt",
     )

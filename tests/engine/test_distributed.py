@@ -130,3 +130,13 @@ def test_checkpoints_move_between_world_sizes(two_ranks, single):
     m2 = engine.train_step(batch, pg_loss_fn(int(batch.batch["response_mask"].sum())))
     assert m2["loss"] == pytest.approx(ranks[0]["m2"]["loss"], rel=1e-5)
     assert m2["grad_norm"] == pytest.approx(ranks[0]["m2"]["grad_norm"], rel=1e-5)
+
+
+def test_compiled_blocks_under_fsdp2_match_world_size_1(two_ranks, single):
+    ranks, _ = two_ranks
+    for res in ranks:
+        want = single["fwd"].batch["log_probs"][res["rows"]]
+        torch.testing.assert_close(res["compiled_log_probs"], want, rtol=0, atol=1e-5)
+        for got, step in zip(res["compiled_steps"], ("m1", "m2")):
+            assert got["loss"] == pytest.approx(single[step]["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5)

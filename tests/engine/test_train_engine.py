@@ -194,3 +194,50 @@ def test_row_without_real_tokens_gives_zeros_not_nan():
     assert torch.equal(out[2], torch.zeros(10)) and torch.isfinite(out).all()
     metrics = engine.train_step(data, pg_loss_fn(20))
     assert metrics["grad_norm"] == metrics["grad_norm"] and metrics["grad_norm"] > 0
+
+
+def test_torch_compile_gives_the_eager_numbers_with_any_micro_batch_shape():
+    # dynamic shapes: micro-batches of other widths and row counts reuse the block graph (one for
+    # training, one for no-grad forwards), and activation checkpointing recomputes through it
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    batches = [make_batch(batch_size=10, seed=s) for s in (3, 4)]
+    data = batches[0]
+    eager = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, gradient_checkpointing=True)
+    compiled = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, gradient_checkpointing=True, torch_compile=True)
+    blocks = compiled.model.model.layers
+    assert all(getattr(b.forward, "_torchdynamo_orig_callable", None) is not None for b in blocks)
+    for mode in ({"max_token_len": 40}, {"micro_batch_size": 3}):
+        want = eager.forward(data, temperature=0.7, calculate_entropy=True, **mode)
+        got = compiled.forward(data, temperature=0.7, calculate_entropy=True, **mode)
+        torch.testing.assert_close(got.batch["log_probs"], want.batch["log_probs"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.batch["entropy"], want.batch["entropy"], rtol=0, atol=1e-5)
+    for batch, mode in zip(batches, ({"max_token_len": 40}, {"micro_batch_size": 4})):
+        tokens = int(batch.batch["response_mask"].sum())
+        a = eager.train_step(batch, pg_loss_fn(tokens), **mode)
+        b = compiled.train_step(batch, pg_loss_fn(tokens), **mode)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["num_micro_batches"] == a["num_micro_batches"] > 1
+    p_eager, p_compiled = params_of(eager.model), params_of(compiled.model)
+    for name in p_eager:
+        torch.testing.assert_close(p_compiled[name], p_eager[name], rtol=0, atol=1e-5)
+    # once warm (graphs for training and for no-grad forwards, and dynamo's own one-row
+    # specialisation), new widths and row counts compile nothing more
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    other = make_batch(batch_size=11, prompt_len=15, response_len=13, seed=5)
+    compiled.forward(other, micro_batch_size=5)
+    compiled.train_step(other, pg_loss_fn(int(other.batch["response_mask"].sum())), micro_batch_size=4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_torch_compile_errors_are_clear(monkeypatch):
+    from torch import nn
+
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        TrainEngine(nn.Sequential(nn.Linear(4, 4)), lr=1e-3, torch_compile=True)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        TrainEngine(build_model(), lr=1e-3, torch_compile=True)

@@ -1,0 +1,34 @@
+"""``actor_rollout_ref.actor.use_torch_compile``: the actor and reference engines compile their
+transformer blocks, and a training step gives the eager step's numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch._dynamo
+
+from hybridrl.trainer.main_ppo import run
+from tests.trainer.e2e_helpers import all_finite, comparable, config, make_assets, read_metrics
+
+ONE_STEP = {"trainer.backend": "local", "trainer.n_cpu_workers": 1, "trainer.total_training_steps": 1,
+            "trainer.test_freq": -1, "trainer.val_before_train": False,
+            "actor_rollout_ref.actor.use_kl_loss": True}  # the reference model runs too
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("compile"))
+
+
+def test_compiled_step_gives_the_eager_numbers(assets, tmp_path):
+    run(config(assets, tmp_path / "eager", **ONE_STEP))
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    run(config(assets, tmp_path / "compiled", **ONE_STEP, **{"actor_rollout_ref.actor.use_torch_compile": True}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # the local backend runs in this process
+    eager, compiled = comparable(read_metrics(tmp_path / "eager")[1]), comparable(read_metrics(tmp_path / "compiled")[1])
+    assert all_finite(compiled) and eager.keys() == compiled.keys()
+    assert "actor/kl_loss" in compiled
+    for key, value in eager.items():
+        assert math.isclose(compiled[key], value, rel_tol=1e-4, abs_tol=1e-6), (key, compiled[key], value)
