@@ -185,6 +185,32 @@ def test_compact_and_generic_paths_sample_the_same(tiny_model):
     assert (fast["rollout_log_probs"] - slow["rollout_log_probs"]).abs().max() < 1e-4
 
 
+def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
+    # many stop tokens: rows finish early, so steps run zero-padded up to the packed row count and
+    # the weights are packed again once the live rows fall to half of it
+    params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40)))
+    plain = run(NativeRolloutEngine(tiny_model, pack_weights=False), params)
+    engine = NativeRolloutEngine(tiny_model, pack_weights=True)
+    calls = []
+    decoder_rows = engine.decoder._packed_rows_for
+    monkeypatch.setattr(engine.decoder, "_packed_rows_for", lambda rows: calls.append((rows, decoder_rows(rows))) or calls[-1][1])
+    packed = run(engine, params)
+    assert torch.equal(packed["responses"], plain["responses"])
+    assert (packed["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max() < 1e-5
+    assert any(rows < packed_rows for rows, packed_rows in calls)  # padded steps
+    assert len({packed_rows for _, packed_rows in calls}) >= 2  # packed again for fewer rows
+    assert plain["response_mask"].sum(1).float().mean() < R / 2  # rows did finish early
+    engine.free_cache()
+    assert engine.decoder.packed_rows == 0 and all(layer.packed is None for layer in engine.decoder.layers)
+
+
+def test_pack_weights_needs_fp32_cpu_and_the_compact_decoder(tiny_model):
+    with pytest.raises(ValueError, match="fp32"):
+        NativeRolloutEngine(copy.deepcopy(tiny_model).to(torch.bfloat16), pack_weights=True)
+    with pytest.raises(ValueError, match="compact decoder"):
+        NativeRolloutEngine(tiny_model, compact=False, pack_weights=True)
+
+
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}])
 def test_degenerate_filters_equal_greedy(tiny_model, filters):
     engine = NativeRolloutEngine(tiny_model)
