@@ -7,6 +7,11 @@ betas / weight decay / grad clip, constant schedule, one PPO epoch and one optim
 generation batch (no micro-batching on either side), the same Python reward (hybridrl's default
 scorer), and with or without a reference model (k3 KL loss, coefficient 0.001 on both sides).
 
+Both compile their model by default (matched): hybridrl its transformer blocks
+(``actor_rollout_ref.actor.use_torch_compile=true``), TRL through transformers' Trainer
+(``GRPOConfig(torch_compile=True)``); ``--compile off`` / ``--trl-compile off`` run either eager. The
+compilation happens in the first step of a run, which is dropped like every first step.
+
 The frameworks alternate within one run (hybridrl run, TRL run, hybridrl run, ...); each run does
 ``--steps`` steps, the first of which (lazy allocations) is dropped; the median over all kept
 steps is reported. hybridrl runs in-process (``trainer.backend=local``, one rank, torch's threads)
@@ -88,7 +93,7 @@ def mean_prompt_tokens(model_dir: str, train_file: str, rows: int = 512) -> floa
 
 # ---------------------------------------------------------------------------------- hybridrl
 def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with_ref: bool,
-                       backend: str, workers: int) -> list[str]:
+                       backend: str, workers: int, compile_blocks: bool) -> list[str]:
     b = case.n * case.g
     values = {
         "data.train_files": f"[{assets['train']}]", "data.val_files": "[]",
@@ -106,19 +111,20 @@ def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with
         "trainer.total_training_steps": steps, "trainer.val_before_train": "false", "trainer.test_freq": -1,
         "trainer.save_freq": -1, "trainer.logger": "[file]", "trainer.default_local_dir": str(run_dir),
         "trainer.resume_mode": "disable", "trainer.backend": backend, "trainer.n_cpu_workers": workers,
+        "actor_rollout_ref.actor.use_torch_compile": str(compile_blocks).lower(),
     }
     return [f"{k}={v}" for k, v in values.items()]
 
 
 def run_hybridrl(case: Case, assets: dict, steps: int, with_ref: bool, backend: str = "local",
-                 workers: int = 1) -> list[dict]:
+                 workers: int = 1, compile_blocks: bool = False) -> list[dict]:
     """Per-step metrics (timing_s/*, prompt_length/mean, actor/padding_ratio ...) of one run."""
     from hybridrl.config import load_config
     from hybridrl.trainer.main_ppo import run
 
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
-        config = load_config(hybridrl_overrides(case, assets, Path(tmp), steps, with_ref, backend, workers),
-                             preset="grpo_quickstart")
+        config = load_config(hybridrl_overrides(case, assets, Path(tmp), steps, with_ref, backend, workers,
+                                                compile_blocks), preset="grpo_quickstart")
         run(config)
         lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -134,7 +140,7 @@ def trl_reward(prompts, completions, data_source, reward_model, **_):
             for src, text, rm in zip(data_source, texts, reward_model)]
 
 
-def run_trl(case: Case, assets: dict, steps: int, with_ref: bool) -> list[float]:
+def run_trl(case: Case, assets: dict, steps: int, with_ref: bool, compile_model: bool = False) -> list[float]:
     """Seconds of each optimizer step (generation included) of one GRPOTrainer run."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -160,7 +166,7 @@ def run_trl(case: Case, assets: dict, steps: int, with_ref: bool) -> list[float]
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY,
             max_grad_norm=GRAD_CLIP, gradient_checkpointing=False, max_steps=steps, logging_steps=10**6, save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, bf16=False, model_init_kwargs={"dtype": torch.float32},
-            dataloader_num_workers=0)
+            dataloader_num_workers=0, torch_compile=compile_model)
         timer = StepTimer()
         trainer = GRPOTrainer(model=assets["model"], reward_funcs=trl_reward, args=args, train_dataset=dataset,
                               callbacks=[timer])
@@ -207,14 +213,15 @@ def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
     hyb: list[dict] = []
     trl: list[float] = []
     for rep in range(args.reps):
-        hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers)[1:]
+        hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers, args.compile == "on")[1:]
         if not args.no_trl:
-            trl += run_trl(case, assets, args.steps, with_ref)[1:]
+            trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[1:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
     result = summarize(case, hyb, trl, tokens, floor, machine.peak_flops)
     result.update(case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
-                  tokens_per_step=tokens, floor_s=floor["total_s"], backend=args.backend, workers=args.workers)
+                  tokens_per_step=tokens, floor_s=floor["total_s"], backend=args.backend, workers=args.workers,
+                  hybridrl_compile=args.compile == "on", trl_compile=args.trl_compile == "on")
     return result
 
 
@@ -228,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="local", choices=("local", "ray"))
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--no-trl", action="store_true", help="hybridrl only")
+    parser.add_argument("--compile", default="on", choices=("on", "off"),
+                        help="hybridrl: actor_rollout_ref.actor.use_torch_compile (compiled transformer blocks)")
+    parser.add_argument("--trl-compile", default="on", choices=("on", "off"),
+                        help="TRL: GRPOConfig(torch_compile=...) (transformers' Trainer compiles the model)")
     parser.add_argument("--tag", default="", help="suffix of the result file")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")

@@ -42,19 +42,26 @@ def case_name(row: dict) -> str:
 
 
 def e2e_table(rows: list[dict]) -> str:
-    lines = ["| case | model params | ref | B x (p + R) tokens | hybridrl step s | TRL step s | hybridrl tok/s "
-             "| TRL tok/s | speedup | floor s | hybridrl % of floor | TRL % of floor | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
+             "| hybridrl tok/s | TRL tok/s | speedup | floor s | hybridrl % of floor | TRL % of floor | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, has_trl = r["case"], "trl_step_s" in r
         trl = [fmt(r, "trl_step_s", "{:.2f}"), fmt(r, "trl_tok_s", "{:.0f}"), fmt(r, "speedup", "{:.2f}x")]
         lines.append(
-            f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | "
+            f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
             f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
             f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
             f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} |")
     return "\n".join(lines)
+
+
+def compiled(row: dict) -> str:
+    """Whether each framework ran its model compiled (results older than the option: unknown)."""
+    def flag(key: str) -> str:
+        return "-" if key not in row else ("yes" if row[key] else "no")
+    return f"{flag('hybridrl_compile')} / {flag('trl_compile') if 'trl_step_s' in row else '-'}"
 
 
 def phase_table(rows: list[dict]) -> str:
