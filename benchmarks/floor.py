@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 
 
-def measure_peak_flops(size: int = 1536, reps: int = 5) -> float:
-    """fp32 matmul FLOP/s: best of ``reps`` square matmuls (a peak is an upper bound, so the best)."""
+def measure_peak_flops(size: int = 1536, reps: int = 20) -> float:
+    """fp32 matmul FLOP/s: best of ``reps`` square matmuls (a peak is an upper bound, so the best; on
+    a shared machine a few reps can all land in a slow moment: 5 once read 104 GFLOP/s where the
+    run before read 153)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
     best = float("inf")

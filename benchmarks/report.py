@@ -18,6 +18,7 @@ COMMANDS = """```
 make bench                                                     # everything below, then this file
 python benchmarks/grpo_bench.py --case tiny --reps 2 --steps 3   # one e2e case, both ref settings
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --tag _ray2
+python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile off --tag _eager
 python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 2
 make bench-vllm                                                # the vLLM column (.venv-vllm)
 python benchmarks/report.py
@@ -43,15 +44,17 @@ def case_name(row: dict) -> str:
 
 def e2e_table(rows: list[dict]) -> str:
     lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
-             "| hybridrl tok/s | TRL tok/s | speedup | floor s | hybridrl % of floor | TRL % of floor | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hybridrl tok/s | TRL tok/s | speedup | matmul GFLOP/s | floor s | hybridrl % of floor | TRL % of floor "
+             "| runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, has_trl = r["case"], "trl_step_s" in r
         trl = [fmt(r, "trl_step_s", "{:.2f}"), fmt(r, "trl_tok_s", "{:.0f}"), fmt(r, "speedup", "{:.2f}x")]
         lines.append(
             f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
             f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
-            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {r['floor_s']:.3f} | "
+            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {r['record']['machine']['peak_flops'] / 1e9:.0f} | "
+            f"{r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
             f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} |")
     return "\n".join(lines)
@@ -108,8 +111,9 @@ def machine_text(rows: list[dict]) -> str:
         return "no results yet"
     rec = rows[0]["record"]
     m, v = rec["machine"], rec["versions"]
-    return (f"{platform.processor() or platform.machine()}, {rec['threads']} torch thread(s); measured in the run: "
-            f"fp32 matmul {m['peak_flops'] / 1e9:.1f} GFLOP/s, memory read {m['bandwidth'] / 1e9:.1f} GB/s; "
+    return (f"{platform.processor() or platform.machine()}, {rec['threads']} torch thread(s); measured at the start of "
+            f"each case's run (first case: fp32 matmul {m['peak_flops'] / 1e9:.1f} GFLOP/s, memory read "
+            f"{m['bandwidth'] / 1e9:.1f} GB/s; each case's matmul rate is in its row, and its floor uses it); "
             f"load average at the end {rec['load_avg_end']:.1f}. Versions: "
             + ", ".join(f"{k} {val}" for k, val in v.items()))
 

@@ -19,6 +19,7 @@ checkpointing) stay eager around the compiled body.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import torch
@@ -34,7 +35,7 @@ _CXX = ("c++", "g++", "clang++")
 def compile_blocks(model: nn.Module, device: torch.device) -> int:
     """Replace each transformer block's ``forward`` of ``model`` with its compiled version; returns
     how many blocks were compiled. Raises if the model has no repeated blocks, or if inductor could
-    not build CPU kernels (no C++ compiler on PATH), before any step runs."""
+    not build kernels (no C++ compiler on PATH for CPU, no triton for CUDA), before any step runs."""
     blocks = block_modules(model)
     if not blocks:
         raise ValueError(
@@ -46,6 +47,9 @@ def compile_blocks(model: nn.Module, device: torch.device) -> int:
             "torch compile on CPU builds C++ kernels, but no C++ compiler (c++, g++ or clang++) is on PATH; "
             "install one or set use_torch_compile=false"
         )
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise RuntimeError("torch compile on CUDA builds Triton kernels, but triton is not installed; "
+                           "install it or set use_torch_compile=false")
     for block in blocks:
         block.forward = torch.compile(block.forward, dynamic=True)
     return len(blocks)

@@ -241,3 +241,8 @@ def test_torch_compile_errors_are_clear(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         TrainEngine(build_model(), lr=1e-3, torch_compile=True)
+    from hybridrl.engine.compile import compile_blocks
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        compile_blocks(build_model(), torch.device("cuda"))
