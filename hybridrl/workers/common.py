@@ -15,6 +15,7 @@ from hybridrl.algos import GlobalBatchInfo, count_normalizers
 from hybridrl.engine.distributed import init_distributed
 from hybridrl.engine.train_engine import TrainEngine
 from hybridrl.protocol import DataProto
+from hybridrl.utils.malloc import keep_freed_memory
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -26,8 +27,10 @@ def setup_distributed() -> None:
     oversubscribed BLAS threads make every rank slower (PLATFORM.md: 2 cores, 2 ranks). An explicit
     ``HYBRIDRL_NUM_THREADS`` wins: on a machine shared with other jobs, fewer threads than cores
     avoid OpenMP barriers that wait for a descheduled thread (docs/performance.md).
+    Freed memory stays in the process for the next step (``hybridrl.utils.malloc``).
     """
     init_distributed()
+    keep_freed_memory()
     if not torch.cuda.is_available():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
         threads = os.environ.get("HYBRIDRL_NUM_THREADS")
