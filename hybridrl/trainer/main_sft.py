@@ -68,11 +68,11 @@ def build_engine(config, total_steps: int):
 def run_rank(config) -> dict[str, float]:
     """Build everything on this rank (world size 1, or a rank of an initialised group) and train."""
     from hybridrl.models import load_tokenizer
+    from hybridrl.trainer.sft_trainer import SFTTrainer, total_training_steps
+    from hybridrl.trainer.tracking import Tracking
     from hybridrl.utils.malloc import keep_freed_memory
 
     keep_freed_memory()  # the same large tensors every step: reuse their memory (hybridrl.utils.malloc)
-    from hybridrl.trainer.sft_trainer import SFTTrainer, total_training_steps
-    from hybridrl.trainer.tracking import Tracking
 
     model_cfg, trainer_cfg = config.model, config.trainer
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.partial_pretrain,
