@@ -207,8 +207,7 @@ class CompactDecoder:
             return 0
         if rows > self.packed_rows or 2 * rows <= self.packed_rows:
             self._drop_packed()  # the old packing goes first, so both never coexist in memory
-            head = self.model.lm_head.weight  # (V, E): already the (out, in) layout _mkl_linear reads
-            self.packed_head = torch.ops.mkl._mkl_reorder_linear_weight(head, rows)
+            self.packed_head = _pack(self.model.lm_head.weight.t(), rows)
             for fused in self.layers:
                 fused.packed = {name: _pack(getattr(fused, name), rows) for name in ("qkv", "o", "gate_up", "down")}
             self.packed_rows = rows
@@ -230,9 +229,7 @@ class CompactDecoder:
         head = self.model.lm_head
         normed = self.model.model.norm(hidden)
         if rows:  # packed: the (b, V) product comes out directly
-            n = normed.shape[0]
-            padded = F.pad(normed, (0, 0, 0, rows - n)) if n < rows else normed
-            return torch.ops.mkl._mkl_linear(padded, self.packed_head, head.weight, head.bias, rows)[:n]
+            return _dense(normed, head.weight.t(), head.bias, self.packed_head, rows)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 

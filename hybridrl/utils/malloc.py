@@ -9,7 +9,7 @@ blocks stay in the heap and the next step reuses them: 0-11,000 faults, no syste
 -> 7.38 / 7.12 s per compiled update (alternating processes), for 130-200 MB more peak resident memory.
 
 The settings apply to the whole process and are made once, at worker start-up
-(``hybridrl.workers.common.setup_distributed``). ``HYBRIDRL_KEEP_FREED_MEMORY=0`` leaves glibc's
+(``hybridrl.workers.common.setup_distributed``) and in the SFT trainer (``main_sft.run_rank``). ``HYBRIDRL_KEEP_FREED_MEMORY=0`` leaves glibc's
 defaults (e.g. for a process that must give memory back after a large one-off allocation).
 """
 
