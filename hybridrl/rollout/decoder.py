@@ -41,11 +41,14 @@ def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
 
 @dataclass
 class _FusedLayer:
-    """One decoder layer's weights as (in, out) matrices, q/k/v and gate/up concatenated along out.
+    """One decoder layer's weights, q/k/v and gate/up concatenated along the output dimension.
 
-    Pre-transposed contiguous (in, out) copies because `x @ W` with a row-major (in, out) matrix
-    ran up to ~1.5x faster than `F.linear(x, W)` for the skinny (32 x 576) decode matmuls on
-    this CPU (MKL/oneDNN fp32, measured in benchmarks/rollout_bench.py's setting).
+    Two layouts (``out_in``). Packed decoding keeps nn.Linear's own (out, in) layout: MKL packs a
+    contiguous (out, in) matrix about 4x faster than a transposed one, o/down are then the model's
+    own tensors (no copy at all), and prefill's ``F.linear`` runs as fast as ``x @ W`` at prefill's
+    row counts. Plain decoding stores contiguous (in, out) copies instead, because ``x @ W`` with a
+    row-major (in, out) matrix ran up to ~1.5x faster than ``F.linear(x, W)`` for the skinny
+    (32 x 576) decode matmuls on this CPU (MKL/oneDNN fp32, benchmarks/rollout_bench.py's setting).
     """
 
     qkv: torch.Tensor
@@ -56,12 +59,13 @@ class _FusedLayer:
     gate_up_b: torch.Tensor | None
     down: torch.Tensor
     down_b: torch.Tensor | None
+    out_in: bool  # matrices in (out, in) layout (else (in, out))
     packed: dict[str, torch.Tensor] | None = None  # the four matrices packed for decode (see CompactDecoder)
 
     def dense(self, name: str, x: torch.Tensor, rows: int) -> torch.Tensor:
         """x @ the named matrix (+ its bias); packed when ``rows`` (the packed row count) is set."""
         packed = self.packed[name] if rows else None
-        return _dense(x, getattr(self, name), getattr(self, name + "_b"), packed, rows)
+        return _dense(x, getattr(self, name), getattr(self, name + "_b"), self.out_in, packed, rows)
 
 
 def mkl_packing_supported(weight: torch.Tensor) -> bool:
@@ -71,27 +75,34 @@ def mkl_packing_supported(weight: torch.Tensor) -> bool:
 
 
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """An (in, out) weight in MKL's packed layout for products with exactly ``rows`` input rows."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.t(), rows)
+    """An (out, in) weight in MKL's packed layout for products with exactly ``rows`` input rows."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
 
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_in: bool,
            packed: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
-    """x (..., in) @ weight (in, out) + bias; with ``packed`` (``_pack(weight, rows)``), through MKL's
-    packed GEMM, x's rows zero-padded up to ``rows`` (the products of the real rows are unchanged)."""
+    """x (..., in) times ``weight`` ((out, in) if ``out_in``, else (in, out)) + bias; with ``packed``
+    (``_pack(weight, rows)``, out_in layout), through MKL's packed GEMM, x's rows zero-padded up to
+    ``rows`` (the products of the real rows are unchanged)."""
     flat = x.reshape(-1, x.shape[-1])
     if packed is not None:
         n = flat.shape[0]
         if n < rows:
             flat = F.pad(flat, (0, 0, 0, rows - n))
-        out = torch.ops.mkl._mkl_linear(flat, packed, weight.t(), bias, rows)[:n]
+        out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)[:n]
+    elif out_in:
+        out = F.linear(flat, weight, bias)
     else:
         out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
-    return out.view(*x.shape[:-1], weight.shape[1])
+    return out.view(*x.shape[:-1], weight.shape[0] if out_in else weight.shape[1])
 
 
-def _t(*weights: torch.Tensor) -> torch.Tensor:
-    """Concatenate (out, in) weights along out and store as a contiguous (in, out) matrix."""
+def _fuse(out_in: bool, *linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights concatenated along out, as a contiguous (out, in) or (in, out) matrix.
+    A single (out, in) weight is the module's own tensor, not a copy."""
+    weights = [lin.weight.detach() for lin in linears]
+    if out_in:
+        return weights[0] if len(weights) == 1 else torch.cat(weights)
     return torch.cat(weights).t().contiguous()
 
 
@@ -150,18 +161,20 @@ class CompactDecoder:
         """Rebuild the fused weights from the model's current parameters (after a weight update)."""
         self._drop_packed()
         self.layers = []
+        out_in = self.pack_weights
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append(
                 _FusedLayer(
-                    qkv=_t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                    qkv=_fuse(out_in, a.q_proj, a.k_proj, a.v_proj),
                     qkv_b=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    o=_t(a.o_proj.weight),
+                    o=_fuse(out_in, a.o_proj),
                     o_b=a.o_proj.bias,
-                    gate_up=_t(m.gate_proj.weight, m.up_proj.weight),
+                    gate_up=_fuse(out_in, m.gate_proj, m.up_proj),
                     gate_up_b=_cat_bias(m.gate_proj, m.up_proj),
-                    down=_t(m.down_proj.weight),
+                    down=_fuse(out_in, m.down_proj),
                     down_b=m.down_proj.bias,
+                    out_in=out_in,
                 )
             )
 
@@ -207,7 +220,7 @@ class CompactDecoder:
             return 0
         if rows > self.packed_rows or 2 * rows <= self.packed_rows:
             self._drop_packed()  # the old packing goes first, so both never coexist in memory
-            self.packed_head = _pack(self.model.lm_head.weight.t(), rows)
+            self.packed_head = _pack(self.model.lm_head.weight.detach(), rows)
             for fused in self.layers:
                 fused.packed = {name: _pack(getattr(fused, name), rows) for name in ("qkv", "o", "gate_up", "down")}
             self.packed_rows = rows
@@ -229,7 +242,7 @@ class CompactDecoder:
         head = self.model.lm_head
         normed = self.model.model.norm(hidden)
         if rows:  # packed: the (b, V) product comes out directly
-            return _dense(normed, head.weight.t(), head.bias, self.packed_head, rows)
+            return _dense(normed, head.weight, head.bias, True, self.packed_head, rows)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 

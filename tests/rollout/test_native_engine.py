@@ -204,6 +204,20 @@ def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
     assert engine.decoder.packed_rows == 0 and all(layer.packed is None for layer in engine.decoder.layers)
 
 
+def test_packed_layout_reuses_the_model_weights(tiny_model):
+    # packing keeps nn.Linear's (out, in) layout: o/down are the model's own tensors (no copy per
+    # weight update), q/k/v and gate/up one concatenated copy; the plain path keeps (in, out) copies
+    attn, mlp = tiny_model.model.layers[0].self_attn, tiny_model.model.layers[0].mlp
+    packed = NativeRolloutEngine(tiny_model, pack_weights=True).decoder.layers[0]
+    assert packed.o.data_ptr() == attn.o_proj.weight.data_ptr()
+    assert packed.down.data_ptr() == mlp.down_proj.weight.data_ptr()
+    assert torch.equal(packed.qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(packed.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    plain = NativeRolloutEngine(tiny_model, pack_weights=False).decoder.layers[0]
+    assert plain.o.data_ptr() != attn.o_proj.weight.data_ptr() and plain.o.is_contiguous()
+    assert torch.equal(plain.gate_up, packed.gate_up.t())
+
+
 def test_pack_weights_needs_fp32_cpu_and_the_compact_decoder(tiny_model):
     with pytest.raises(ValueError, match="fp32"):
         NativeRolloutEngine(copy.deepcopy(tiny_model).to(torch.bfloat16), pack_weights=True)
