@@ -106,10 +106,12 @@ def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r:
     ref = fwd if with_ref else 0.0
     update = 3 * fwd  # backward = 2x forward
     flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": 0.0, "ref": ref, "update_actor": update,
-             "update_weights": 0.0, "controller": 0.0}
+             "update_weights": 0.0, "dispatch": 0.0, "controller": 0.0}
     seconds = {k: v / machine.peak_flops for k, v in flops.items()}
     seconds["gen"] = gen_s
     return {"flops": flops, "seconds": seconds, "total_s": sum(seconds.values()), "update_flops": update}
 
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "controller")
+PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "controller", "dispatch")
+# phases that are calls on the worker group (timed by the driver, so their time includes the dispatch)
+WORKER_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import PHASES, Machine, ModelShape, step_floor  # noqa: E402
+from floor import PHASES, WORKER_PHASES, Machine, ModelShape, step_floor  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
@@ -176,9 +176,14 @@ def run_trl(case: Case, assets: dict, steps: int, with_ref: bool, compile_model:
 
 # ----------------------------------------------------------------------------------- summary
 def phase_times(step: dict) -> dict[str, float]:
-    """hybridrl's phases of one step; the controller is the step time outside every phase."""
-    out = {p: float(step.get(f"timing_s/{p}", 0.0)) for p in PHASES if p != "controller"}
+    """hybridrl's phases of one step as the driver times them; ``controller``: the step time outside
+    every phase (the driver's own work). ``dispatch`` is not a phase of its own but the part of the
+    worker calls' phases spent outside the workers (sending, (de)serialising and returning batches):
+    those phases' time minus ``perf/time_in_workers``; it is already inside them."""
+    out = {p: float(step.get(f"timing_s/{p}", 0.0)) for p in PHASES if p not in ("dispatch", "controller")}
     out["controller"] = float(step["timing_s/step"]) - sum(out.values())
+    in_workers = step.get("perf/time_in_workers")
+    out["dispatch"] = max(0.0, sum(out[p] for p in WORKER_PHASES) - in_workers) if in_workers is not None else 0.0
     return out
 
 
@@ -192,7 +197,8 @@ def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floo
         "update_mfu": floor["update_flops"] / phases["update_actor"] / peak if phases["update_actor"] else None,
         "padding_efficiency": statistics.median(1.0 / s["actor/padding_ratio"] for s in hyb
                                                 if s.get("actor/padding_ratio")) if hyb else None,
-        "controller_frac": phases["controller"] / hyb_step,
+        # issue 10's "controller overhead": time not spent in any worker (reward scoring aside)
+        "controller_frac": (phases["controller"] + phases["dispatch"]) / hyb_step,
         "hybridrl_steps": [s["timing_s/step"] for s in hyb],
     }
     if trl:

@@ -13,11 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PHASE_NAMES = {"gen": "generation", "reward": "reward", "old_log_prob": "old log-probs", "ref": "ref log-probs",
-               "update_actor": "update", "update_weights": "weight sync", "controller": "controller (outside workers)"}
+               "update_actor": "update", "update_weights": "weight sync", "controller": "controller (between phases)",
+               "dispatch": "of the worker phases: outside the workers (dispatch)"}
 COMMANDS = """```
 make bench                                                     # everything below, then this file
 python benchmarks/grpo_bench.py --case tiny --reps 2 --steps 3   # one e2e case, both ref settings
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --tag _ray2
+python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --n 64 --tag _ray2_n64
 python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile off --tag _eager
 python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 2
 make bench-vllm                                                # the vLLM column (.venv-vllm)
@@ -73,12 +75,29 @@ def phase_table(rows: list[dict]) -> str:
     for r in rows:
         name = case_name(r)
         for key, label in PHASE_NAMES.items():
+            if key not in r["phases_s"]:  # results from before the dispatch accounting
+                continue
             seconds, floor = r["phases_s"][key], r["phase_floor_s"][key]
             frac = f"{100 * floor / seconds:.1f}%" if floor and seconds > 0 else "-"
             mfu = f"{100 * r['update_mfu']:.1f}%" if key == "update_actor" and r["update_mfu"] else ""
             pad = f"{r['padding_efficiency']:.3f}" if key == "update_actor" and r["padding_efficiency"] else ""
             lines.append(f"| {name} | {'yes' if r['with_ref'] else 'no'} | {label} | {seconds:.3f} | "
                          f"{100 * seconds / r['hybridrl_step_s']:.1f}% | {floor:.3f} | {frac} | {mfu} | {pad} |")
+    return "\n".join(lines)
+
+
+def controller_table(rows: list[dict]) -> str:
+    """Time outside the workers as the batch grows (the Ray rows, by ranks then batch size)."""
+    ray = sorted((r for r in rows if r["backend"] == "ray" and "dispatch" in r["phases_s"]),
+                 key=lambda r: (r["workers"], r["case"]["n"] * r["case"]["g"]))
+    lines = ["| case | ranks | B (rows) | tokens / step | step s | in workers s | dispatch s | controller s "
+             "| outside workers |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in ray:
+        ph = r["phases_s"]
+        outside = ph["controller"] + ph["dispatch"]
+        lines.append(f"| {case_name(r)} | {r['workers']} | {r['case']['n'] * r['case']['g']} | {r['tokens_per_step']:.0f} "
+                     f"| {r['hybridrl_step_s']:.2f} | {r['hybridrl_step_s'] - outside - ph['reward']:.2f} "
+                     f"| {ph['dispatch']:.3f} | {ph['controller']:.3f} | {r['controller_frac']:.2%} |")
     return "\n".join(lines)
 
 
@@ -125,6 +144,10 @@ def main() -> int:
              "## Machine", "", machine_text(rows), "", "## Commands", "", COMMANDS, "",
              "## End-to-end GRPO step: hybridrl vs TRL GRPOTrainer (alternating runs, medians)", "", e2e_table(rows), "",
              "## Phase breakdown (hybridrl) against each phase's floor", "", phase_table(rows), "",
+             "## Controller overhead as the batch grows (Ray backend)", "",
+             "Time not spent in any worker: dispatch (the worker calls' driver time minus the time their "
+             "slowest rank ran, `perf/time_in_workers`) plus the driver's own work between phases; reward "
+             "scoring is counted apart.", "", controller_table(rows), "",
              "## Issue 10 targets", "", targets_table(rows), ""]
     if rollout.exists():
         parts += ["## Rollout: native engine vs HF generate", "",

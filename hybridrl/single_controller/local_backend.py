@@ -45,12 +45,13 @@ class LocalBackend:
             raise self._error(",".join(self._roles), "__init__", exc) from exc
 
     def submit(self, plan: CallPlan, role: str, method: str) -> list[tuple[bool, Any]]:
-        """Run the call now; the handle is a list of (ok, result-or-error) per rank."""
+        """Run the call now; the handle is a list of (ok, (result, seconds) or error) per rank."""
         outcomes = []
         for args, kwargs in plan.calls:
             try:
                 args, kwargs = copy.deepcopy((args, kwargs))
-                outcomes.append((True, copy.deepcopy(self._host.execute(role, method, args, kwargs))))
+                result, seconds = self._host.execute_timed(role, method, args, kwargs)
+                outcomes.append((True, (copy.deepcopy(result), seconds)))
             except Exception as exc:
                 outcomes.append((False, self._error(role, method, exc)))
         return outcomes

@@ -106,9 +106,9 @@ class RayBackend:
 
     # ------------------------------------------------------------------------------ calls
     def submit(self, plan: CallPlan, role: str, method: str) -> list[tuple[int, Any]]:
-        """Send the call to its ranks; the handle is a list of (rank, ObjectRef)."""
+        """Send the call to its ranks; the handle is a list of (rank, ObjectRef of (result, seconds))."""
         return [
-            (rank, self._actors[rank].execute.remote(role, method, args, kwargs))
+            (rank, self._actors[rank].execute_timed.remote(role, method, args, kwargs))
             for rank, (args, kwargs) in zip(plan.ranks, plan.calls)
         ]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,3 +109,10 @@ class WorkerHost:
     def execute(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``roles[role].method(*args, **kwargs)`` in this process."""
         return getattr(self.roles[role], method)(*args, **kwargs)
+
+    def execute_timed(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """``execute``, and the seconds the method itself ran (what the driver's accounting of time
+        spent inside workers adds up; transfer and (de)serialization are outside it)."""
+        start = time.perf_counter()
+        result = self.execute(role, method, args, kwargs)
+        return result, time.perf_counter() - start

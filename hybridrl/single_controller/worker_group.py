@@ -36,7 +36,7 @@ class Backend(Protocol):
     world_size: int
 
     def submit(self, plan: CallPlan, role: str, method: str) -> Any: ...
-    def wait(self, handle: Any, role: str, method: str) -> list[Any]: ...
+    def wait(self, handle: Any, role: str, method: str) -> list[Any]: ...  # per rank: (result, seconds it ran)
     def worker_pids(self) -> list[int]: ...
     def shutdown(self) -> None: ...
 
@@ -50,8 +50,10 @@ class WorkerFuture:
 
     def get(self) -> Any:
         if not self._done:
-            results = self._group._wait(self._handle, self._role, self._method)
-            self._value, self._done = collect_results(self._plan, results), True
+            timed = self._group._wait(self._handle, self._role, self._method)
+            # the ranks run concurrently: the call kept the group busy as long as its slowest rank
+            self._group.busy_s += max((seconds for _, seconds in timed), default=0.0)
+            self._value, self._done = collect_results(self._plan, [result for result, _ in timed]), True
         return self._value
 
 
@@ -113,6 +115,10 @@ class WorkerGroup:
         self.roles = _normalize_roles(roles)
         self._methods = {role: registered_methods(spec.cls) for role, spec in self.roles.items()}
         self.name, self.backend_name, self._failure = name, backend, None
+        # seconds the ranks spent running calls (per call, its slowest rank), summed over finished
+        # calls: the driver's wall time minus this is time outside every worker (dispatch,
+        # transfer, (de)serialization, the driver's own work)
+        self.busy_s = 0.0
         self._closed = False
         self._backend = _make_backend(backend, pool, self.roles, dict(env or {}), name)
         self.world_size = self._backend.world_size

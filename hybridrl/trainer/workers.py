@@ -36,6 +36,11 @@ class PPOWorkers:
         self.group = WorkerGroup(self.pool, roles, backend=trainer.backend, name="actor_rollout")
         self.world_size = self.group.world_size
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the ranks have spent running calls so far (see ``WorkerGroup.busy_s``)."""
+        return self.group.busy_s
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.group.rollout.generate_sequences(prompts)
 

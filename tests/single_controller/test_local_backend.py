@@ -1,6 +1,7 @@
 """The local backend: same roles, dispatch and error semantics as Ray, in this process."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ def test_local_group_runs_in_driver_with_rendezvous_env():
     assert out.non_tensor_batch["uid"].tolist() == ["u0", "u1", "u2", "u3", "u4"]
     assert wg.whoami() == 0
     assert wg.slow_rank(0.0).get() == [0]
+
+
+def test_local_busy_time_is_the_methods_own_time():
+    wg = local_group(RoleSpec(ToyActor))
+    assert wg.busy_s == 0.0
+    start = time.perf_counter()
+    wg.sleep_by_rank(0.2)
+    wall = time.perf_counter() - start
+    assert 0.2 <= wg.busy_s <= wall
 
 
 def test_local_colocated_roles_share_objects():

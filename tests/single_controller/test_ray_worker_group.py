@@ -87,6 +87,15 @@ def test_rank_zero_and_futures(colocated):
     assert [i["RANK"] for i in fut2.get()] == ["0", "1"]
 
 
+def test_busy_time_counts_each_call_once_for_its_slowest_rank(colocated):
+    before, start = colocated.busy_s, time.perf_counter()
+    assert colocated.actor.sleep_by_rank(0.3) == [0, 1]  # rank 0 works 0.3 s, rank 1 0.6 s, concurrently
+    wall, busy = time.perf_counter() - start, colocated.busy_s - before
+    assert 0.6 <= busy <= wall  # the slowest rank, not the 0.9 s sum; dispatch and transfer are outside it
+    assert colocated.actor.slow_rank(0.2).get() == [0, 1]  # futures count when collected
+    assert colocated.busy_s - before >= 0.8
+
+
 def test_colocated_roles_share_one_process(colocated):
     actor_pids = [i["pid"] for i in colocated.actor.info()]
     assert colocated.ref.pid() == actor_pids == colocated.worker_pids()

@@ -72,6 +72,12 @@ class ToyActor(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def sleep_by_rank(self, seconds: float) -> int:
+        """Rank r works (sleeps) ``seconds * (r + 1)``."""
+        time.sleep(seconds * (self.rank + 1))
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
     def all_reduce_rank(self) -> float:
         """sum over ranks of (rank + 1) through a real gloo all_reduce."""
         init_distributed()

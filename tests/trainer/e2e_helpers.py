@@ -14,7 +14,7 @@ EXPECTED_KEYS = (
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
     "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
-    "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+    "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/time_in_workers",
     "training/rollout_probs_diff_max", "training/global_step",
 )
 

@@ -31,6 +31,9 @@ def test_grpo_two_ranks_trains_and_logs_verl_metrics(assets, tmp_path, ray_sessi
         assert all_finite(metrics[step]), metrics[step]
         missing = [k for k in EXPECTED_KEYS if k not in metrics[step]]
         assert not missing, missing
+        # the ranks generated and trained for most of the step; the rest is the controller's
+        inside, step_s = metrics[step]["perf/time_in_workers"], metrics[step]["perf/time_per_step"]
+        assert metrics[step]["timing_s/update_actor"] / 2 < inside < step_s
     assert "val-core/hybridrl/addition/reward/mean@1" in metrics[0]
     assert metrics[2]["actor/grad_norm"] > 0
     # parameters changed: the exported final policy differs from the initial model
