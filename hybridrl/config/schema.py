@@ -224,7 +224,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, "vllm: fraction of GPU memory for weights + KV cache")
     enforce_eager: bool = opt(False, "vllm: disable CUDA graphs")
     cudagraph_capture_sizes: tuple[int, ...] | None = opt(None, "vllm: batch sizes captured as CUDA graphs")
-    free_cache_engine: bool = opt(True, "release the KV cache between rollouts")
+    free_cache_engine: bool = opt(True, "release the rollout's KV cache (native engine: and packed decode weights) after each generation")
     tensor_model_parallel_size: int = opt(2, "vllm: tensor-parallel size (native/hf: ignored, as verl's hf rollout)")
     max_num_batched_tokens: int = opt(8192, "vllm: tokens per engine step")
     max_model_len: int | None = opt(None, "vllm: max sequence length (null: P + R)")

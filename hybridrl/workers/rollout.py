@@ -75,6 +75,11 @@ class RolloutWorker(Worker):
         seed = int(np.random.SeedSequence([self.seed, step, self.rank, int(validate)]).generate_state(1)[0])
         generator = self.agent_loop if self.agent_loop is not None else self.engine
         out = generator.generate(prompts, params.with_updates(seed=seed))
+        if self.rollout.free_cache_engine and isinstance(self.engine, NativeRolloutEngine):
+            # the hybrid engine's rollout sleeps between rollouts (the vLLM adapter sleeps itself):
+            # its KV cache and packed decode weights, about the model's size, are not held through
+            # the update, and the weights change there anyway, so nothing is lost
+            self.engine.free_cache()
         out.meta_info = {}
         return out
 
