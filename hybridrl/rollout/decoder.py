@@ -113,11 +113,23 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     return torch.cat([b if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF rotary embedding (rotate-half form), the same operations. x (b,t,h,D); cos/sin (b,t,1,D)."""
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, for ``_rotate`` (made once per forward, not per layer)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF rotary embedding (rotate-half form) with the same values: x (b,t,h,D); cos and
+    ``_signed_sin(sin)`` (b,t,1,D). HF multiplies ``cat(-x2, x1)`` by sin; here ``cat(x2, x1)`` by
+    ``cat(-sin1, sin2)``, one negation less per layer, and (-a) * b == a * (-b) exactly in IEEE."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+# HF's RMSNorm classes for the compact architectures: pow(2).mean + eps, rsqrt, times the weight,
+# the same operations as torch.rms_norm, which runs them in one call instead of about eight
+_PLAIN_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
 
 
 class CompactDecoder:
@@ -240,11 +252,18 @@ class CompactDecoder:
         (tests/rollout check greedy == HF `generate` and log-probs against the trainer).
         """
         head = self.model.lm_head
-        normed = self.model.model.norm(hidden)
+        normed = self._norm(self.model.model.norm, hidden)
         if rows:  # packed: the (b, V) product comes out directly
             return _dense(normed, head.weight, head.bias, True, self.packed_head, rows)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
+
+    @staticmethod
+    def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)``; HF's plain fp32 RMSNorm through ``torch.rms_norm`` (bit-identical, fewer calls)."""
+        if type(norm).__name__ in _PLAIN_RMS_NORMS and x.dtype == torch.float32 == norm.weight.dtype:
+            return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+        return norm(x)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int, rows: int = 0) -> torch.Tensor:
         """Hidden states (b,t,E) before the final norm; writes each layer's keys/values at `start`.
@@ -253,11 +272,12 @@ class CompactDecoder:
         # the boolean mask as SDPA's additive one, made once here rather than inside every layer's call
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         cos, sin = self.model.model.rotary_emb(hidden, pos)
+        sin = _signed_sin(sin)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (b,t,1,D): broadcast over heads, once per call
         for index, (fused, layer) in enumerate(zip(self.layers, self.model.model.layers)):
-            attn_in = layer.input_layernorm(hidden)
+            attn_in = self._norm(layer.input_layernorm, hidden)
             hidden = hidden + self._attention(index, fused, attn_in, cos, sin, mask, start, rows)
-            mlp_in = layer.post_attention_layernorm(hidden)
+            mlp_in = self._norm(layer.post_attention_layernorm, hidden)
             gate, up = fused.dense("gate_up", mlp_in, rows).chunk(2, dim=-1)
             # act(gate) * up formed in place: act's output (or, for an identity, gate's half of the
             # fresh matmul output) is read by nothing else; the values are those of act(gate) * up

@@ -41,8 +41,9 @@ class StaticKVCache:
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values (b, Hkv, t, D) of the first b rows at slots [start, start + t)."""
         rows, t = keys.shape[0], keys.shape[2]
-        self.buffer[layer, 0, :rows, :, start : start + t] = keys
-        self.buffer[layer, 1, :rows, :, start : start + t] = values
+        slots = self.buffer[layer].narrow(3, start, t)  # a view; cheaper than a 5-part index per write
+        slots[0, :rows].copy_(keys)
+        slots[1, :rows].copy_(values)
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (rows, Hkv, length, D) of the active rows (views, no copy)."""

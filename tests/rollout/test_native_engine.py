@@ -204,6 +204,27 @@ def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
     assert engine.decoder.packed_rows == 0 and all(layer.packed is None for layer in engine.decoder.layers)
 
 
+def test_compact_norm_and_rotary_equal_hf_bit_for_bit(tiny_model):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hybridrl.rollout.decoder import CompactDecoder, _rotate, _signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    layer = tiny_model.model.layers[0]
+    weighted = copy.deepcopy(layer.input_layernorm)  # a copy: the module-scoped model stays as built
+    with torch.inference_mode():
+        weighted.weight.copy_(torch.rand(64, generator=gen) + 0.5)  # not all ones
+        for norm in (weighted, layer.post_attention_layernorm, tiny_model.model.norm):
+            for shape in ((16, 1, 64), (3, 37, 64)):
+                x = torch.randn(shape, generator=gen) * 7
+                assert torch.equal(CompactDecoder._norm(norm, x), norm(x))
+        q, k = torch.randn(5, 4, 7, 16, generator=gen), torch.randn(5, 2, 7, 16, generator=gen)
+        cos, sin = torch.randn(5, 7, 16, generator=gen), torch.randn(5, 7, 16, generator=gen)
+        expected, _ = apply_rotary_pos_emb(q, k, cos, sin)
+        ours = _rotate(q.transpose(1, 2), cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2)).transpose(1, 2)
+        assert torch.equal(ours, expected)
+
+
 def test_packed_layout_reuses_the_model_weights(tiny_model):
     # packing keeps nn.Linear's (out, in) layout: o/down are the model's own tensors (no copy per
     # weight update), q/k/v and gate/up one concatenated copy; the plain path keeps (in, out) copies
