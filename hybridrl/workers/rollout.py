@@ -78,7 +78,9 @@ class RolloutWorker(Worker):
         if self.rollout.free_cache_engine and isinstance(self.engine, NativeRolloutEngine):
             # the hybrid engine's rollout sleeps between rollouts (the vLLM adapter sleeps itself):
             # its KV cache and packed decode weights, about the model's size, are not held through
-            # the update, and the weights change there anyway, so nothing is lost
+            # the update, and the weights change there anyway, so nothing is lost. Here rather than
+            # in the engine: the agent loop calls the engine once per turn, and freeing per turn
+            # would repack the weights every turn
             self.engine.free_cache()
         out.meta_info = {}
         return out
