@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from hybridrl.rollout import cpu_kernels
 from hybridrl.rollout.kv_cache import StaticKVCache
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2")
@@ -130,6 +131,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 # HF's RMSNorm classes for the compact architectures: pow(2).mean + eps, rsqrt, times the weight,
 # the same operations as torch.rms_norm, which runs them in one call instead of about eight
 _PLAIN_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
+_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (both F.silu)
+
+
+def kernels_unsupported(model: PreTrainedModel) -> str:
+    """Why the fused CPU kernels cannot run this (compact-supported) model's decode step; "" if they can."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"the fused kernels need fp32 CPU weights (got {weight.dtype} on {weight.device.type})"
+    layers = model.model.layers
+    norms = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
+    odd = {type(m).__name__ for m in norms} - set(_PLAIN_RMS_NORMS)
+    if odd:
+        return f"norm layers {sorted(odd)} are not HF's plain RMSNorm"
+    if any(m.weight.dtype != torch.float32 for m in norms):
+        return "norm weights are not fp32"
+    act = type(layers[0].mlp.act_fn).__name__
+    if act not in _SILU_CLASSES:
+        return f"activation {act} is not SiLU"
+    attn = layers[0].self_attn
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    if attn.head_dim % 2 or groups > 64:
+        return f"head_dim {attn.head_dim} is odd or {groups} query heads share a KV head (at most 64)"
+    return ""
 
 
 class CompactDecoder:
@@ -144,9 +168,14 @@ class CompactDecoder:
         the weights) and again only when the live rows fall to half the packed count (rows are
         zero-padded up to it in between); the packed copy costs about the weights' size in memory
         and is released by ``free``. None: on where supported (fp32 on a CPU torch with MKL).
+    fused_kernels: run a decode step's non-matmul work (residual adds and norms, rotary, cache
+        write, attention, SiLU) as three fused C kernels per layer (`hybridrl.rollout.cpu_kernels`)
+        instead of about forty torch ops. None: on where they apply (fp32 CPU weights, HF's plain
+        RMSNorm and SiLU) and build (a C compiler; ``HYBRIDRL_CPU_KERNELS=0`` turns them off).
     """
 
-    def __init__(self, model: PreTrainedModel, pack_weights: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, pack_weights: bool | None = None,
+                 fused_kernels: bool | None = None) -> None:
         ok, why = supports_compact(model)
         if not ok:
             raise ValueError(f"CompactDecoder cannot run {type(model).__name__}: {why}")
@@ -167,6 +196,18 @@ class CompactDecoder:
         self.refresh_weights()
         param = next(model.parameters())
         self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim, param.dtype)
+        self.kernels = self._load_kernels(fused_kernels)
+
+    def _load_kernels(self, wanted: bool | None) -> cpu_kernels.CpuKernels | None:
+        why = kernels_unsupported(self.model)
+        if wanted and why:
+            raise ValueError(f"fused_kernels=True but {why}")
+        if wanted is False or why:
+            return None
+        kernels = cpu_kernels.load()
+        if wanted and kernels is None:
+            raise ValueError("fused_kernels=True but the CPU kernels could not be built (see the warning above)")
+        return kernels
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
@@ -216,8 +257,41 @@ class CompactDecoder:
         start = self.cache.length
         self.cache.length += 1
         rows = self._packed_rows_for(tokens.shape[0])
+        if self.kernels is not None:
+            return self._decode_fused(tokens, positions, start, rows)
         hidden = self._forward(tokens[:, None], positions[:, None], self.cache.attention_mask(), start, rows)
         return self._logits(hidden[:, -1], rows)
+
+    def _decode_fused(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+        """`decode` through the fused kernels. Activations are kept at the matmuls' row count
+        (``rows`` when packed) for the whole step, so no matmul pads or slices its input; the extra
+        rows start as zeros, are never written by the kernels, and their products are dropped."""
+        n, kernels, model = tokens.shape[0], self.kernels, self.model.model
+        width = rows or n
+        hidden = model.embed_tokens(tokens)
+        if width > n:
+            hidden = F.pad(hidden, (0, 0, 0, width - n))
+        cos, sin = model.rotary_emb(hidden, positions[:, None])
+        cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
+        normed = hidden.new_zeros(hidden.shape)
+        attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
+        act = None
+        norms = [layer.input_layernorm for layer in model.layers] + [model.norm]
+        kernels.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon, normed, n)
+        for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
+            qkv = fused.dense("qkv", normed, rows)
+            keys, values = self.cache.layer(index)
+            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.valid, start, attn, n,
+                                     self.num_heads, self.num_kv_heads, self.scaling)
+            norm = layer.post_attention_layernorm
+            kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
+            gate_up = fused.dense("gate_up", normed, rows)
+            if act is None:
+                act = hidden.new_zeros(width, gate_up.shape[-1] // 2)
+            kernels.silu_mul(gate_up, act, n)
+            norm = norms[index + 1]
+            kernels.add_rms_norm(hidden, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
+        return self._head(normed, rows)[:n]
 
     def select(self, keep: torch.Tensor) -> None:
         self.cache.select(keep)
@@ -244,7 +318,12 @@ class CompactDecoder:
         self.packed_head, self.packed_rows = None, 0
 
     def _logits(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
-        """lm_head as (V, E) @ (E, b), transposed back to (b, V).
+        """Final norm, then the lm_head: (b, E) hidden states -> (b, V) logits."""
+        return self._head(self._norm(self.model.model.norm, hidden), rows)
+
+    def _head(self, normed: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """lm_head of final-normed hidden states (b, E): packed when ``rows`` is set, else
+        (V, E) @ (E, b) transposed back to (b, V).
 
         The head is the largest matrix of a small model (49152 x 576 for SmolLM2) and decode feeds
         it only b rows: `F.linear(x, W)` ran it ~1.5x slower on this CPU than `W @ x.T` (oneDNN
@@ -252,7 +331,6 @@ class CompactDecoder:
         (tests/rollout check greedy == HF `generate` and log-probs against the trainer).
         """
         head = self.model.lm_head
-        normed = self._norm(self.model.model.norm, hidden)
         if rows:  # packed: the (b, V) product comes out directly
             return _dense(normed, head.weight, head.bias, True, self.packed_head, rows)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()

@@ -50,6 +50,10 @@ class StaticKVCache:
         kv = self.buffer[layer, :, : self.rows, :, : self.length]
         return kv[0], kv[1]
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots of one layer's keys and values (max_rows, Hkv, S, D), contiguous per head."""
+        return self.buffer[layer, 0], self.buffer[layer, 1]
+
     def attention_mask(self) -> torch.Tensor:
         """(rows, 1, 1, length) bool: which filled slots a new query may attend to."""
         return self.valid[: self.rows, None, None, : self.length]

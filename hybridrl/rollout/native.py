@@ -44,10 +44,13 @@ class NativeRolloutEngine:
         change the given tensors while the engine generates (the hybrid engine never does: it
         trains and generates in turn, and syncs after every update).
     pack_weights: decode matmuls through MKL's packed GEMM (`CompactDecoder`); None: where supported.
+    fused_kernels: a decode step's other per-layer work as fused C kernels (`CompactDecoder`);
+        None: where they apply and build.
     """
 
     def __init__(self, model: PreTrainedModel, max_num_seqs: int = 256, compact: bool | None = None,
-                 share_weights: bool = False, pack_weights: bool | None = None) -> None:
+                 share_weights: bool = False, pack_weights: bool | None = None,
+                 fused_kernels: bool | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         ok, why = supports_compact(model)
@@ -57,9 +60,11 @@ class NativeRolloutEngine:
         self.max_num_seqs = max_num_seqs
         self.share_weights = share_weights
         use_compact = ok if compact is None else compact
-        if pack_weights and not use_compact:
-            raise ValueError("pack_weights=True needs the compact decoder (Llama/Qwen2 models)")
-        self.decoder = CompactDecoder(model, pack_weights=pack_weights) if use_compact else HFDecoder(model)
+        for name, wanted in (("pack_weights", pack_weights), ("fused_kernels", fused_kernels)):
+            if wanted and not use_compact:
+                raise ValueError(f"{name}=True needs the compact decoder (Llama/Qwen2 models)")
+        self.decoder = (CompactDecoder(model, pack_weights=pack_weights, fused_kernels=fused_kernels)
+                        if use_compact else HFDecoder(model))
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """See `RolloutEngine.generate`; non-tensor columns are repeated G times interleaved."""

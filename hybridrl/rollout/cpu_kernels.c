@@ -1,0 +1,125 @@
+/* Fused fp32 CPU kernels for one decode step of the compact decoder (hybridrl/rollout/decoder.py).
+ *
+ * A decode step multiplies a few dozen rows by every weight matrix; around those matmuls each layer
+ * ran about forty small torch ops (norms, rotary, cache write, attention, activation), each paying a
+ * dispatch for a few kilobytes of work. These three kernels do the same arithmetic in three calls
+ * per layer. Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
+ * -ffp-contract=off, so a product followed by a sum is rounded as torch rounds it (no fused
+ * multiply-add): the rotary embedding and the activation give torch's values; the norm's and the
+ * attention's sums are added in another order (differences of a few ulp).
+ *
+ * Layouts (all contiguous, row-major, float32):
+ *   hidden, x, out   (rows, width)
+ *   qkv              (rows, qkv_stride): q heads, then k heads, then v heads, head_dim each
+ *   cos, ssin        (rows, head_dim): rotary cos, and sin with its first half negated
+ *   kcache, vcache   slot s of (row r, kv head h) at r * row_stride + h * head_stride + s * head_dim
+ *   valid            (rows, valid_stride) bytes: slot holds a real token
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 64 /* query heads per kv head handled on the stack */
+
+/* hidden += x (when x is not NULL); out = weight * (hidden * 1 / sqrt(mean(hidden^2) + eps)) */
+void hr_add_rms_norm(float *hidden, const float *x, const float *weight, float *out, int64_t rows,
+                     int64_t width, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * width >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = hidden + r * width;
+        if (x) {
+            const float *xr = x + r * width;
+            for (int64_t i = 0; i < width; i++) h[i] += xr[i];
+        }
+        float squares = 0.f;
+        for (int64_t i = 0; i < width; i++) squares += h[i] * h[i];
+        float inv = 1.f / sqrtf(squares / (float)width + eps);
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i++) o[i] = weight[i] * (h[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i], silu(g) = g / (1 + exp(-g)) */
+void hr_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * width >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * width;
+        const float *u = g + width;
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+static inline void rotate(const float *x, const float *cos, const float *ssin, float *out, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * ssin[i];
+    for (int64_t i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * ssin[i];
+}
+
+/* One new token per row: rotate its queries and keys, store its key and value at `slot`, and attend
+ * over slots [0, length) of its row (valid ones only). out (rows, heads * head_dim), query head
+ * h * group + g reads kv head h (HF's repeat_kv order). */
+void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos, const float *ssin,
+                         float *kcache, float *vcache, int64_t row_stride, int64_t head_stride,
+                         const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t length, float *out,
+                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale, int nthreads) {
+    int64_t group = heads / kv_heads;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *weights = (float *)malloc(sizeof(float) * (size_t)(group * length));
+        float *queries = (float *)malloc(sizeof(float) * (size_t)(group * d));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * kv_heads; task++) {
+            int64_t r = task / kv_heads, h = task % kv_heads;
+            const float *src = qkv + r * qkv_stride;
+            const float *c = cos + r * d, *s = ssin + r * d;
+            float *keys = kcache + r * row_stride + h * head_stride;
+            float *values = vcache + r * row_stride + h * head_stride;
+            const uint8_t *ok = valid + r * valid_stride;
+            rotate(src + (heads + h) * d, c, s, keys + slot * d, d);
+            memcpy(values + slot * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+            for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
+
+            float top[MAX_GROUP], total[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
+            for (int64_t t = 0; t < length; t++) {
+                const float *k = keys + t * d;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *q = queries + g * d;
+                    float dot = 0.f;
+                    for (int64_t i = 0; i < d; i++) dot += q[i] * k[i];
+                    float score = ok[t] ? dot * scale : -1e30f; /* exp(-1e30 - top) is 0 */
+                    weights[g * length + t] = score;
+                    top[g] = score > top[g] ? score : top[g];
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *w = weights + g * length, sum = 0.f, m = top[g];
+                for (int64_t t = 0; t < length; t++) {
+                    float e = expf(w[t] - m);
+                    w[t] = e;
+                    sum += e;
+                }
+                total[g] = sum;
+            }
+            float *o = out + r * heads * d + h * group * d;
+            memset(o, 0, sizeof(float) * (size_t)(group * d));
+            for (int64_t t = 0; t < length; t++) {
+                const float *v = values + t * d;
+                for (int64_t g = 0; g < group; g++) {
+                    float w = weights[g * length + t];
+                    float *og = o + g * d;
+                    for (int64_t i = 0; i < d; i++) og[i] += w * v[i];
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float inv = 1.f / total[g];
+                for (int64_t i = 0; i < d; i++) o[g * d + i] *= inv;
+            }
+        }
+        free(weights);
+        free(queries);
+    }
+}

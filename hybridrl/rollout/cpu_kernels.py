@@ -1,0 +1,137 @@
+"""Fused fp32 CPU kernels for the compact decoder's decode step, compiled on first use.
+
+``cpu_kernels.c`` holds three kernels (residual add + RMSNorm, SiLU-and-multiply, and rotary +
+KV-cache write + single-token attention) that replace about forty small torch ops per layer. They
+are compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``), the way
+inductor compiles its CPU kernels, into ``$HYBRIDRL_KERNEL_CACHE`` (default
+``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags and the compiler, and
+loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
+is logged once) and the decoder keeps its torch ops. ``HYBRIDRL_CPU_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -ffast-math lets the compiler vectorise the sums and call the vector expf; contraction into fused
+# multiply-adds and reciprocal tricks are turned back off so products and divisions round as torch's do.
+FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fno-reciprocal-math", "-fopenmp", "-shared", "-fPIC"]
+NATIVE_FLAGS = ["-march=native"]
+LIBS = ["-lm"]
+VECTOR_MATH = ["-lmvec"]  # glibc's vector math (expf for 16 lanes); absent on other C libraries
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "hr_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
+                            _I64, _I64, _I64, _I64, _F32, _INT],
+}
+
+
+class CpuKernels:
+    """The loaded kernels, called on contiguous fp32 CPU tensors (callers check layouts once)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._add_rms_norm = lib.hr_add_rms_norm
+        self._silu_mul = lib.hr_silu_mul
+        self._attention = lib.hr_decode_attention
+
+    def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor, rows: int) -> None:
+        """In place on the first ``rows`` rows: hidden += x (unless None); out = RMSNorm(hidden) * weight."""
+        self._add_rms_norm(hidden.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), rows, hidden.shape[-1], eps, torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+        """out[:rows] = silu(gate) * up, gate_up (R, 2I) holding gate then up."""
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, out.shape[-1], torch.get_num_threads())
+
+    def decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, valid: torch.Tensor, slot: int, out: torch.Tensor, rows: int,
+                         heads: int, kv_heads: int, scale: float) -> None:
+        """Rotary + cache write at ``slot`` + attention over slots [0, slot] for the first ``rows`` rows.
+
+        qkv (R, (heads + 2 kv_heads) D); cos / signed_sin (rows, D); keys / values one layer's cache
+        (max_rows, kv_heads, S, D) with the slot dimension contiguous per head; valid (max_rows, S)
+        bool; out (R, heads D)."""
+        d = cos.shape[-1]
+        self._attention(qkv.data_ptr(), qkv.shape[-1], cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
+                        values.data_ptr(), keys.stride(0), keys.stride(1), valid.data_ptr(), valid.stride(0),
+                        slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, torch.get_num_threads())
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HYBRIDRL_KERNEL_CACHE") or Path.home() / ".cache" / "hybridrl" / "kernels")
+
+
+def _compiler_id(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else cc
+
+
+def _build(cc: str, flags: list[str], libs: list[str], target: Path) -> None:
+    """Compile into a temporary sibling and rename into place (parallel builders never see half a file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *flags, str(SOURCE), *libs, "-o", tmp], capture_output=True, text=True, timeout=300)
+        if result.returncode:
+            raise RuntimeError(f"{cc} {' '.join(flags)} {SOURCE} {' '.join(libs)} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_and_load() -> CpuKernels:
+    """Compile (or reuse) and load the kernels; raises with the compiler's message when that fails."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r} on PATH)")
+    source = SOURCE.read_bytes()
+    compiler = _compiler_id(cc)
+    errors = []
+    # the machine's own instruction set first; then portable code; glibc's vector expf where present
+    for flags, libs in ((FLAGS + NATIVE_FLAGS, VECTOR_MATH + LIBS), (FLAGS + NATIVE_FLAGS, LIBS), (FLAGS, LIBS)):
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags + libs).encode(), compiler.encode(),
+                                         platform.machine().encode()])).hexdigest()[:20]
+        target = _cache_dir() / f"cpu_kernels_{key}.so"
+        try:
+            if not target.is_file():
+                _build(cc, flags, libs, target)
+            return CpuKernels(ctypes.CDLL(str(target)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    raise RuntimeError("could not build the CPU decode kernels:\n" + "\n".join(errors))
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, or None when turned off (``HYBRIDRL_CPU_KERNELS=0``) or not buildable here."""
+    if os.environ.get("HYBRIDRL_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    try:
+        return build_and_load()
+    except RuntimeError as exc:
+        logger.warning("hybridrl: CPU decode kernels unavailable, decoding with torch ops: %s", exc)
+        return None

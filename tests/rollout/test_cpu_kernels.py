@@ -1,0 +1,146 @@
+"""The fused CPU decode kernels: each against torch's ops, and the decoder with them against without."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout import NativeRolloutEngine, cpu_kernels
+from hybridrl.rollout.decoder import CompactDecoder, _rotate, _signed_sin
+from tests.rollout.test_native_engine import EOS, build_tiny, make_prompts, run, sampled
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    # built here rather than through `load`, so a machine that cannot build them fails this test
+    return cpu_kernels.build_and_load()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny_model(request):
+    return build_tiny(request.param)
+
+
+def test_add_rms_norm_matches_torch(kernels):
+    gen = torch.Generator().manual_seed(0)
+    hidden, x = torch.randn(6, 96, generator=gen) * 3, torch.randn(6, 96, generator=gen)
+    weight = torch.rand(96, generator=gen) + 0.5
+    expected_hidden = hidden[:4] + x[:4]
+    expected = torch.rms_norm(expected_hidden, (96,), weight, 1e-6)
+    out = torch.full((6, 96), 7.0)
+    before = hidden.clone()
+    kernels.add_rms_norm(hidden, x, weight, 1e-6, out, rows=4)
+    assert torch.equal(hidden[:4], expected_hidden)  # the residual add is one rounding, as torch's
+    torch.testing.assert_close(out[:4], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(hidden[4:], before[4:]) and (out[4:] == 7.0).all()  # rows past `rows` untouched
+    kernels.add_rms_norm(hidden, None, weight, 1e-6, out, rows=6)  # no residual: norm only
+    torch.testing.assert_close(out, torch.rms_norm(hidden, (96,), weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_matches_torch(kernels):
+    gate_up = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(1)) * 6
+    out = torch.zeros(5, 40)
+    kernels.silu_mul(gate_up, out, rows=3)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out[:3], F.silu(gate[:3]) * up[:3], rtol=2e-6, atol=1e-7)
+    assert (out[3:] == 0).all()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (2, 2, 32)])
+def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(2)
+    rows, max_rows, slots, slot = 3, 5, 12, 8
+    cache = torch.randn(2, max_rows, kv_heads, slots, d, generator=gen)
+    keys, values = cache[0], cache[1]
+    valid = torch.ones(max_rows, slots, dtype=torch.bool)
+    valid[0, :3] = False  # left padding of row 0
+    valid[2, 5] = False
+    qkv = torch.randn(rows + 1, (heads + 2 * kv_heads) * d, generator=gen)  # one extra (padding) row
+    cos, sin = torch.randn(rows, d, generator=gen), torch.randn(rows, d, generator=gen)
+    signed_sin = _signed_sin(sin)
+    out = torch.zeros(rows + 1, heads * d)
+    before = cache.clone()
+    kernels.decode_attention(qkv, cos, signed_sin, keys, values, valid, slot, out, rows, heads, kv_heads, 0.3)
+
+    q, k, v = qkv[:rows].split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    rot = lambda x, h: _rotate(x.view(rows, 1, h, d), cos[:, None, None], signed_sin[:, None, None])  # noqa: E731
+    q, k = rot(q, heads)[:, 0], rot(k, kv_heads)[:, 0]
+    assert torch.equal(keys[:rows, :, slot], k)  # rotary as torch rounds it, written to the slot
+    assert torch.equal(values[:rows, :, slot], v.view(rows, kv_heads, d))
+    changed = (cache != before).any(-1)
+    assert not changed[:, :, :, :slot].any() and not changed[:, rows:].any()  # nothing else written
+    mask = valid[:rows, None, None, : slot + 1]
+    expected = F.scaled_dot_product_attention(q[:, :, None], keys[:rows, :, : slot + 1], values[:rows, :, : slot + 1],
+                                              attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out[:rows], expected.reshape(rows, heads * d), rtol=1e-5, atol=1e-6)
+    assert (out[rows:] == 0).all()
+
+
+@pytest.mark.parametrize("params", [sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40))),
+                                    sampled(n=2, top_p=0.9, eos_token_id=EOS)], ids=["rows-finish", "top-p"])
+def test_fused_decode_matches_torch_ops(tiny_model, kernels, params):
+    # rows finish early (compaction, re-packing, zero-padded rows) and left-padded prompts
+    torch_ops = run(NativeRolloutEngine(tiny_model, fused_kernels=False), params)
+    engine = NativeRolloutEngine(tiny_model, fused_kernels=True)
+    assert engine.decoder.kernels is not None
+    fused = run(engine, params)
+    assert torch.equal(fused["responses"], torch_ops["responses"])
+    assert (fused["rollout_log_probs"] - torch_ops["rollout_log_probs"]).abs().max() < 1e-5
+    assert engine.decoder.kernels is not None
+
+
+def test_fused_decode_logits_match_torch_ops_on_padded_prompts(tiny_model, kernels):
+    prompts = make_prompts(num=3, length=7, seed=4)
+    logits = {}
+    for fused in (False, True):
+        decoder = CompactDecoder(tiny_model, fused_kernels=fused)
+        with torch.inference_mode():
+            first = decoder.prefill(*prompts.values(), repeats=2, max_new_tokens=4)
+            tokens = first.argmax(-1).repeat_interleave(2)
+            positions = prompts["position_ids"][:, -1].repeat_interleave(2) + 1
+            logits[fused] = [decoder.decode(tokens, positions), decoder.decode(tokens.flip(0), positions + 1)]
+    for plain, fused in zip(logits[False], logits[True]):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_are_off_where_they_do_not_apply(tiny_model, kernels):
+    bf16 = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    assert CompactDecoder(bf16).kernels is None  # default: quietly off
+    with pytest.raises(ValueError, match="fp32 CPU weights"):
+        CompactDecoder(bf16, fused_kernels=True)
+    with pytest.raises(ValueError, match="compact decoder"):
+        NativeRolloutEngine(tiny_model, compact=False, fused_kernels=True)
+    assert CompactDecoder(tiny_model, fused_kernels=False).kernels is None
+
+
+def test_load_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HYBRIDRL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hybridrl.rollout.cpu_kernels"):
+            assert cpu_kernels.load() is None
+        assert "no C compiler found" in caplog.text and "no-such-cc" in caplog.text
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("HYBRIDRL_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is None  # switched off: not even built
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_build_reports_compiler_errors(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setenv("HYBRIDRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="broken.c"):
+        cpu_kernels.build_and_load()
+    assert not any((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
