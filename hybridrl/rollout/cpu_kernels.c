@@ -123,3 +123,73 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
         free(queries);
     }
 }
+
+#define SCAN_BLOCK 256
+
+/* Token selection over the full vocabulary, one row of logits (rows, vocab) at a time: with
+ * `sample`, inverse-CDF sampling from softmax(logits / temperature) at uniforms[r] in (0, 1] (the
+ * first token whose cumulative weight reaches uniforms[r] times the total, as torch.searchsorted
+ * finds it in a cumsum); otherwise the first maximum. log_probs[r] = log_softmax(...) at the token.
+ * `temperature` 1 skips the division (as the torch path does). */
+void hr_select_tokens(const float *logits, const float *uniforms, float temperature, int sample, int64_t *tokens,
+                      float *log_probs, int64_t rows, int64_t vocab, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (rows * vocab >= (1 << 16))
+    {
+        int64_t blocks = (vocab + SCAN_BLOCK - 1) / SCAN_BLOCK;
+        float *scaled = (float *)malloc(sizeof(float) * (size_t)vocab);
+        float *block_sums = (float *)malloc(sizeof(float) * (size_t)blocks);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *x = logits + r * vocab;
+            if (temperature != 1.f) {
+                for (int64_t i = 0; i < vocab; i++) scaled[i] = x[i] / temperature;
+            } else {
+                memcpy(scaled, x, sizeof(float) * (size_t)vocab);
+            }
+            float top = scaled[0];
+            for (int64_t i = 1; i < vocab; i++) top = scaled[i] > top ? scaled[i] : top;
+            /* weights exp(x - max) summed per block of SCAN_BLOCK tokens (vectorised, float), the
+             * blocks added in double: the total and the running sum below come from the same sums */
+            double total = 0.;
+            for (int64_t b = 0; b < blocks; b++) {
+                int64_t end = (b + 1) * SCAN_BLOCK < vocab ? (b + 1) * SCAN_BLOCK : vocab;
+                float sum = 0.f;
+                for (int64_t i = b * SCAN_BLOCK; i < end; i++) sum += expf(scaled[i] - top);
+                block_sums[b] = sum;
+                total += sum;
+            }
+            int64_t token = 0;
+            if (sample) {
+                /* the block where the running sum reaches the target, then token by token inside it */
+                double target = (double)uniforms[r] * total, running = 0.;
+                int64_t b = 0;
+                while (b < blocks - 1 && running + block_sums[b] < target) running += block_sums[b++];
+                int64_t end = (b + 1) * SCAN_BLOCK < vocab ? (b + 1) * SCAN_BLOCK : vocab;
+                token = -1;
+                int64_t last = -1;
+                for (int64_t i = b * SCAN_BLOCK; i < end; i++) {
+                    float weight = expf(scaled[i] - top);
+                    if (weight <= 0.f) continue;
+                    last = i;
+                    running += weight;
+                    if (running >= target) {
+                        token = i;
+                        break;
+                    }
+                }
+                if (token < 0) { /* the sums' rounding left the target just past the block */
+                    token = last;
+                    for (int64_t i = b * SCAN_BLOCK - 1; token < 0 && i >= 0; i--)
+                        if (expf(scaled[i] - top) > 0.f) token = i;
+                    if (token < 0) token = 0;
+                }
+            } else {
+                while (token < vocab - 1 && scaled[token] != top) token++;
+            }
+            tokens[r] = token;
+            if (log_probs) log_probs[r] = (float)((double)(scaled[token] - top) - log(total));
+        }
+        free(scaled);
+        free(block_sums);
+    }
+}

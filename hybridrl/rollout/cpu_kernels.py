@@ -1,7 +1,8 @@
 """Fused fp32 CPU kernels for the compact decoder's decode step, compiled on first use.
 
-``cpu_kernels.c`` holds three kernels (residual add + RMSNorm, SiLU-and-multiply, and rotary +
-KV-cache write + single-token attention) that replace about forty small torch ops per layer. They
+``cpu_kernels.c`` holds three kernels for each layer (residual add + RMSNorm, SiLU-and-multiply,
+and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, and
+one for token selection (sampling or greedy, with the token's log-prob) that replaces about ten. They
 are compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``), the way
 inductor compiles its CPU kernels, into ``$HYBRIDRL_KERNEL_CACHE`` (default
 ``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags and the compiler, and
@@ -38,6 +39,7 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _SIGNATURES = {
     "hr_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "hr_select_tokens": [_PTR, _PTR, _F32, _INT, _PTR, _PTR, _I64, _I64, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
                             _I64, _I64, _I64, _I64, _F32, _INT],
 }
@@ -54,6 +56,7 @@ class CpuKernels:
         self._add_rms_norm = lib.hr_add_rms_norm
         self._silu_mul = lib.hr_silu_mul
         self._attention = lib.hr_decode_attention
+        self._select_tokens = lib.hr_select_tokens
 
     def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor, rows: int) -> None:
@@ -77,6 +80,20 @@ class CpuKernels:
         self._attention(qkv.data_ptr(), qkv.shape[-1], cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
                         values.data_ptr(), keys.stride(0), keys.stride(1), valid.data_ptr(), valid.stride(0),
                         slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, torch.get_num_threads())
+
+
+    def select_tokens(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
+                      log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample (``uniforms`` (b,) in (0, 1]) or pick greedily (None) from logits (b, V) over the full
+        vocabulary; tokens (b,) int64 and log_softmax(logits / temperature) at them (zeros unless
+        ``log_probs``). See `hybridrl.rollout.sampling.select_tokens`."""
+        rows, vocab = logits.shape
+        tokens = torch.empty(rows, dtype=torch.long)
+        values = torch.zeros(rows, dtype=torch.float32)
+        self._select_tokens(logits.data_ptr(), None if uniforms is None else uniforms.data_ptr(), temperature,
+                            uniforms is not None, tokens.data_ptr(), values.data_ptr() if log_probs else None,
+                            rows, vocab, torch.get_num_threads())
+        return tokens, values
 
 
 def _cache_dir() -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridrl.rollout import cpu_kernels
 from hybridrl.rollout.base import SamplingParams
 
 
@@ -47,6 +48,10 @@ def select_tokens(
     log_probs (b,) float32 = log_softmax(logits / temperature)[token] over the full vocabulary,
     before top-k / top-p filtering (verl convention: the trainer recomputes exactly this).
     """
+    kernels = _kernels_for(logits, params)
+    if kernels is not None:
+        return kernels.select_tokens(logits, params.temperature if params.temperature > 0 else 1.0,
+                                     None if params.greedy else uniforms.float().contiguous(), params.logprobs)
     scaled = scaled_logits(logits, params)
     if params.greedy:
         tokens = scaled.argmax(dim=-1)
@@ -57,6 +62,16 @@ def select_tokens(
     else:
         log_probs = torch.zeros(tokens.shape, dtype=torch.float32)
     return tokens, log_probs
+
+
+def _kernels_for(logits: torch.Tensor, params: SamplingParams):
+    """The fused CPU kernel for fp32 CPU logits when no top-k / top-p filter applies (one pass over
+    the vocabulary instead of about ten ops); None otherwise (the torch ops below)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return None
+    if not params.greedy and (params.top_p < 1.0 or 0 < params.top_k < logits.shape[-1]):
+        return None
+    return cpu_kernels.load()
 
 
 def _sample(scaled: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:

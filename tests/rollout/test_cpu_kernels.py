@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout import NativeRolloutEngine, cpu_kernels
+from hybridrl.rollout import NativeRolloutEngine, SamplingParams, cpu_kernels, sampling
 from hybridrl.rollout.decoder import CompactDecoder, _rotate, _signed_sin
 from tests.rollout.test_native_engine import EOS, build_tiny, make_prompts, run, sampled
 
@@ -144,3 +144,51 @@ def test_build_reports_compiler_errors(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="broken.c"):
         cpu_kernels.build_and_load()
     assert not any((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
+
+
+@pytest.mark.parametrize(("vocab", "temperature", "greedy"), [(1000, 1.0, False), (49152, 0.7, False), (777, 1.0, True)])
+def test_select_tokens_matches_torch_ops(kernels, monkeypatch, vocab, temperature, greedy):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=gen) * 3
+    uniforms = 1.0 - torch.rand(64, generator=gen)
+    params = SamplingParams(temperature=temperature, do_sample=not greedy)
+    assert sampling._kernels_for(logits, params) is not None
+    fused = sampling.select_tokens(logits, params, uniforms)
+    monkeypatch.setattr(sampling, "_kernels_for", lambda logits, params: None)
+    plain = sampling.select_tokens(logits, params, uniforms)
+    same = fused[0] == plain[0]
+    torch.testing.assert_close(fused[1][same], plain[1][same], rtol=1e-5, atol=1e-5)
+    exact = torch.log_softmax(logits.double() / (temperature if not greedy else 1.0), -1)
+    torch.testing.assert_close(fused[1].double(), exact.gather(-1, fused[0][:, None]).squeeze(-1), rtol=0, atol=5e-5)
+    if greedy or vocab <= 1000:
+        assert torch.equal(fused[0], plain[0])
+    if not greedy:
+        # the token's slice of the cumulative distribution (float64) holds u, to 1e-6 of the mass:
+        # with 49152 tokens many weigh ~1e-9, below float32's resolution of torch's own cumsum
+        # (~6e-8 here), so the two paths may pick different neighbours in the tail
+        cdf = torch.cumsum(torch.softmax(logits.double() / temperature, -1), -1)
+        upper = cdf.gather(-1, fused[0][:, None]).squeeze(-1)
+        lower = upper - torch.softmax(logits.double() / temperature, -1).gather(-1, fused[0][:, None]).squeeze(-1)
+        target = uniforms.double() * cdf[:, -1]
+        assert ((lower - 1e-6 <= target) & (target <= upper + 1e-6)).all()
+        assert (fused[0] != plain[0]).sum() <= 2
+
+
+def test_select_tokens_never_picks_a_zero_probability_token(kernels):
+    logits = torch.randn(4, 600, generator=torch.Generator().manual_seed(3))
+    logits[:, :5] = float("-inf")
+    logits[:, 300:] = float("-inf")  # zero weight after token 299: u = 1 must land on 299's side
+    uniforms = torch.tensor([1.0, 1e-12, 0.5, 1.0])
+    tokens, log_probs = sampling.select_tokens(logits, SamplingParams(temperature=1.0), uniforms)
+    assert tokens[0] == tokens[3] == 299 and tokens[1] == 5 and 5 <= tokens[2] < 300
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sampling.select_tokens(logits, SamplingParams(do_sample=False), None)[0], logits.argmax(-1))
+
+
+def test_select_tokens_uses_torch_ops_for_filters(kernels):
+    logits = torch.randn(2, 50)
+    assert sampling._kernels_for(logits, SamplingParams(top_k=5)) is None
+    assert sampling._kernels_for(logits, SamplingParams(top_p=0.9)) is None
+    assert sampling._kernels_for(logits.double(), SamplingParams()) is None
+    assert sampling._kernels_for(logits, SamplingParams(top_k=50)) is not None  # k = vocab filters nothing
