@@ -5,7 +5,7 @@ and rotary + KV-cache write + single-token attention) that replace about forty s
 one for token selection (sampling or greedy, with the token's log-prob) that replaces about ten. They
 are compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``), the way
 inductor compiles its CPU kernels, into ``$HYBRIDRL_KERNEL_CACHE`` (default
-``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags and the compiler, and
+``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags, the compiler and the CPU, and
 loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
 is logged once) and the decoder keeps its torch ops. ``HYBRIDRL_CPU_KERNELS=0`` turns them off.
 """
@@ -46,7 +46,9 @@ _SIGNATURES = {
 
 
 class CpuKernels:
-    """The loaded kernels, called on contiguous fp32 CPU tensors (callers check layouts once)."""
+    """The loaded kernels. They read raw pointers: every tensor given must be a contiguous fp32 CPU
+    tensor of the documented shape (the decoder passes only tensors it made so; nothing is checked
+    per call, which would cost more than some of the kernels)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -100,6 +102,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDRL_KERNEL_CACHE") or Path.home() / ".cache" / "hybridrl" / "kernels")
 
 
+def _cpu_id() -> str:
+    """The CPU model and instruction-set flags: a library built with -march=native on one machine may
+    not run on another sharing the same home directory (an NFS home on a cluster)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(dict.fromkeys(wanted))  # the first core's lines (all cores repeat them)
+
+
 def _compiler_id(cc: str) -> str:
     out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
     return out.stdout.splitlines()[0] if out.stdout else cc
@@ -126,12 +139,12 @@ def build_and_load() -> CpuKernels:
     if cc is None:
         raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r} on PATH)")
     source = SOURCE.read_bytes()
-    compiler = _compiler_id(cc)
+    compiler, cpu = _compiler_id(cc), _cpu_id()
     errors = []
     # the machine's own instruction set first; then portable code; glibc's vector expf where present
     for flags, libs in ((FLAGS + NATIVE_FLAGS, VECTOR_MATH + LIBS), (FLAGS + NATIVE_FLAGS, LIBS), (FLAGS, LIBS)):
         key = hashlib.sha256(b"\0".join([source, " ".join(flags + libs).encode(), compiler.encode(),
-                                         platform.machine().encode()])).hexdigest()[:20]
+                                         platform.machine().encode(), cpu.encode()])).hexdigest()[:20]
         target = _cache_dir() / f"cpu_kernels_{key}.so"
         try:
             if not target.is_file():
