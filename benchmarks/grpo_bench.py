@@ -10,16 +10,18 @@ scorer), and with or without a reference model (k3 KL loss, coefficient 0.001 on
 Both compile their model by default (matched): hybridrl its transformer blocks
 (``actor_rollout_ref.actor.use_torch_compile=true``), TRL through transformers' Trainer
 (``GRPOConfig(torch_compile=True)``); ``--compile off`` / ``--trl-compile off`` run either eager. The
-compilation happens in the first step of a run, which is dropped like every first step.
+compilation happens in the first step of a run, which is dropped with the other warm-up steps.
 
 The frameworks alternate within one run (hybridrl run, TRL run, hybridrl run, ...); each run does
-``--steps`` steps, the first of which (lazy allocations) is dropped; the median over all kept
-steps is reported. hybridrl runs in-process (``trainer.backend=local``, one rank, torch's threads)
+``--steps`` steps, the first ``--warmup`` (2) of which are dropped for both frameworks: compilation
+in the first, and in the second TRL's recompilation for new shapes and, for hybridrl, the
+allocator still growing its heap (the second step of a 25M run took 14.4 s against 10.8 s for the
+third). The median over all kept steps is reported. hybridrl runs in-process (``trainer.backend=local``, one rank, torch's threads)
 like TRL, unless ``--backend ray``. Token counts are the dataset's mean real prompt length plus R,
 times B, for both frameworks, so the throughput ratio is the step-time ratio.
 
     python benchmarks/grpo_bench.py --case tiny            # one case -> benchmarks/results/grpo_tiny.json
-    python benchmarks/grpo_bench.py --case 25m --reps 2 --steps 3 --no-trl
+    python benchmarks/grpo_bench.py --case 25m --reps 2 --steps 4 --no-trl
 """
 
 from __future__ import annotations
@@ -219,9 +221,10 @@ def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
     hyb: list[dict] = []
     trl: list[float] = []
     for rep in range(args.reps):
-        hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers, args.compile == "on")[1:]
+        hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
+                            args.compile == "on")[args.warmup:]
         if not args.no_trl:
-            trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[1:]
+            trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
     result = summarize(case, hyb, trl, tokens, floor, machine.peak_flops)
@@ -236,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", choices=sorted(CASES), required=True)
     parser.add_argument("--ref", default="both", choices=("both", "on", "off"), help="reference model")
     parser.add_argument("--reps", type=int, default=3, help="alternating runs per framework")
-    parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is dropped)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run, warm-up steps included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not counted (both frameworks)")
     parser.add_argument("--n", type=int, default=0, help="override the case's prompts per step")
     parser.add_argument("--backend", default="local", choices=("local", "ray"))
     parser.add_argument("--workers", type=int, default=1)
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/hybridrl/bench"))
     args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (those steps are not counted)")
     case = CASES[args.case]
     if args.n:
         case = Case(case.name, case.model, args.n, case.g, case.r, case.max_prompt_length)
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     refs = {"both": (False, True), "on": (True,), "off": (False,)}[args.ref]
     rows = [bench_case(case, args, machine, with_ref) for with_ref in refs]
     record = {"machine": asdict(machine), "threads": torch.get_num_threads(), "load_avg_end": os.getloadavg()[0],
-              "reps": args.reps, "steps": args.steps, "rows": rows, "versions": versions()}
+              "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "rows": rows, "versions": versions()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"grpo_{args.case}{args.tag}.json"
     out.write_text(json.dumps(record, indent=1))
