@@ -2,8 +2,8 @@
  *
  * A decode step multiplies a few dozen rows by every weight matrix; around those matmuls each layer
  * ran about forty small torch ops (norms, rotary, cache write, attention, activation), each paying a
- * dispatch for a few kilobytes of work. These three kernels do the same arithmetic in three calls
- * per layer. Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
+ * dispatch for a few kilobytes of work. The first three kernels below do the same arithmetic in three
+ * calls per layer; the fourth picks each row's next token (about ten ops per step before). Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
  * -ffp-contract=off, so a product followed by a sum is rounded as torch rounds it (no fused
  * multiply-add): the rotary embedding and the activation give torch's values; the norm's and the
  * attention's sums are added in another order (differences of a few ulp).

@@ -275,7 +275,7 @@ class CompactDecoder:
         cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
         normed = hidden.new_zeros(hidden.shape)
         attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
-        act = None
+        act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
         norms = [layer.input_layernorm for layer in model.layers] + [model.norm]
         kernels.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon, normed, n)
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
@@ -285,10 +285,7 @@ class CompactDecoder:
                                      self.num_heads, self.num_kv_heads, self.scaling)
             norm = layer.post_attention_layernorm
             kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
-            gate_up = fused.dense("gate_up", normed, rows)
-            if act is None:
-                act = hidden.new_zeros(width, gate_up.shape[-1] // 2)
-            kernels.silu_mul(gate_up, act, n)
+            kernels.silu_mul(fused.dense("gate_up", normed, rows), act, n)
             norm = norms[index + 1]
             kernels.add_rms_norm(hidden, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
         return self._head(normed, rows)[:n]
