@@ -58,6 +58,79 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
     for (int64_t i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * ssin[i];
 }
 
+#define KV_AHEAD 8 /* cache slots read ahead of the one being scored */
+#define MAX_FIXED 512 /* group * head_dim of the largest shape specialised below */
+
+/* Attention of `group` rotated queries (group, d) over slots [0, length) of one kv head: scores into
+ * weights (group, length), softmax over the valid slots, the weighted sum of the values into o
+ * (group, d), accumulated in acc (o itself, or a buffer the compiler can keep in registers).
+ *
+ * The cache is read once per step and is far larger than the caches, and each (row, head) is a
+ * short stream of a few kilobytes that the hardware prefetcher barely starts on: the keys are
+ * requested KV_AHEAD slots ahead of the one being scored, and each slot's values (read by the
+ * second pass) alongside it. A prefetch never faults, so reading ahead past the last slot is safe. */
+static inline __attribute__((always_inline)) void attend_into(const float *queries, const float *keys,
+        const float *values, const uint8_t *ok, int64_t length, float scale, float *weights, float *acc,
+        float *o, const int64_t group, const int64_t d) {
+    float top[MAX_GROUP], total[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
+    for (int64_t t = 0; t < length; t++) {
+        const float *k = keys + t * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            __builtin_prefetch(k + KV_AHEAD * d + i, 0, 3);
+            __builtin_prefetch(values + t * d + i, 0, 2);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float *q = queries + g * d;
+            float dot = 0.f;
+            for (int64_t i = 0; i < d; i++) dot += q[i] * k[i];
+            float score = ok[t] ? dot * scale : -1e30f; /* exp(-1e30 - top) is 0 */
+            weights[g * length + t] = score;
+            top[g] = score > top[g] ? score : top[g];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *w = weights + g * length, sum = 0.f, m = top[g];
+        for (int64_t t = 0; t < length; t++) {
+            float e = expf(w[t] - m);
+            w[t] = e;
+            sum += e;
+        }
+        total[g] = sum;
+    }
+    for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;
+    for (int64_t t = 0; t < length; t++) {
+        const float *v = values + t * d;
+        for (int64_t g = 0; g < group; g++) {
+            float w = weights[g * length + t];
+            for (int64_t i = 0; i < d; i++) acc[g * d + i] += w * v[i];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float inv = 1.f / total[g];
+        for (int64_t i = 0; i < d; i++) o[g * d + i] = acc[g * d + i] * inv;
+    }
+}
+
+/* One shape with group and d known to the compiler: loops unrolled, the sums in registers. */
+static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const float *keys,
+        const float *values, const uint8_t *ok, int64_t length, float scale, float *weights, float *o,
+        const int64_t group, const int64_t d) {
+    float acc[MAX_FIXED];
+    attend_into(queries, keys, values, ok, length, scale, weights, acc, o, group, d);
+}
+
+/* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
+ * shape through the same code with its sizes at run time */
+static void attend(const float *queries, const float *keys, const float *values, const uint8_t *ok, int64_t length,
+                   float scale, float *weights, float *o, int64_t group, int64_t d) {
+#define HR_FIXED(G, D) if (group == G && d == D) { attend_fixed(queries, keys, values, ok, length, scale, weights, o, G, D); return; }
+    HR_FIXED(1, 64) HR_FIXED(2, 64) HR_FIXED(3, 64) HR_FIXED(4, 64) HR_FIXED(5, 64) HR_FIXED(6, 64) HR_FIXED(7, 64) HR_FIXED(8, 64)
+    HR_FIXED(1, 128) HR_FIXED(2, 128) HR_FIXED(3, 128) HR_FIXED(4, 128) HR_FIXED(1, 32) HR_FIXED(2, 32) HR_FIXED(4, 32)
+#undef HR_FIXED
+    attend_into(queries, keys, values, ok, length, scale, weights, o, o, group, d);
+}
+
 /* One new token per row: rotate its queries and keys, store its key and value at `slot`, and attend
  * over slots [0, length) of its row (valid ones only). out (rows, heads * head_dim), query head
  * h * group + g reads kv head h (HF's repeat_kv order). */
@@ -81,43 +154,7 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
             rotate(src + (heads + h) * d, c, s, keys + slot * d, d);
             memcpy(values + slot * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
-
-            float top[MAX_GROUP], total[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
-            for (int64_t t = 0; t < length; t++) {
-                const float *k = keys + t * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *q = queries + g * d;
-                    float dot = 0.f;
-                    for (int64_t i = 0; i < d; i++) dot += q[i] * k[i];
-                    float score = ok[t] ? dot * scale : -1e30f; /* exp(-1e30 - top) is 0 */
-                    weights[g * length + t] = score;
-                    top[g] = score > top[g] ? score : top[g];
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *w = weights + g * length, sum = 0.f, m = top[g];
-                for (int64_t t = 0; t < length; t++) {
-                    float e = expf(w[t] - m);
-                    w[t] = e;
-                    sum += e;
-                }
-                total[g] = sum;
-            }
-            float *o = out + r * heads * d + h * group * d;
-            memset(o, 0, sizeof(float) * (size_t)(group * d));
-            for (int64_t t = 0; t < length; t++) {
-                const float *v = values + t * d;
-                for (int64_t g = 0; g < group; g++) {
-                    float w = weights[g * length + t];
-                    float *og = o + g * d;
-                    for (int64_t i = 0; i < d; i++) og[i] += w * v[i];
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float inv = 1.f / total[g];
-                for (int64_t i = 0; i < d; i++) o[g * d + i] *= inv;
-            }
+            attend(queries, keys, values, ok, length, scale, weights, out + r * heads * d + h * group * d, group, d);
         }
         free(weights);
         free(queries);

@@ -52,7 +52,7 @@ def test_silu_mul_matches_torch(kernels):
     assert (out[3:] == 0).all()
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (2, 2, 32)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (2, 2, 32), (4, 2, 128), (8, 1, 128)])
 def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     gen = torch.Generator().manual_seed(2)
     rows, max_rows, slots, slot = 3, 5, 12, 8
@@ -66,7 +66,8 @@ def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     signed_sin = _signed_sin(sin)
     out = torch.zeros(rows + 1, heads * d)
     before = cache.clone()
-    kernels.decode_attention(qkv, cos, signed_sin, keys, values, valid, slot, out, rows, heads, kv_heads, 0.3)
+    scale = d**-0.5  # as the models scale it
+    kernels.decode_attention(qkv, cos, signed_sin, keys, values, valid, slot, out, rows, heads, kv_heads, scale)
 
     q, k, v = qkv[:rows].split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     rot = lambda x, h: _rotate(x.view(rows, 1, h, d), cos[:, None, None], signed_sin[:, None, None])  # noqa: E731
@@ -77,7 +78,7 @@ def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     assert not changed[:, :, :, :slot].any() and not changed[:, rows:].any()  # nothing else written
     mask = valid[:rows, None, None, : slot + 1]
     expected = F.scaled_dot_product_attention(q[:, :, None], keys[:rows, :, : slot + 1], values[:rows, :, : slot + 1],
-                                              attn_mask=mask, scale=0.3, enable_gqa=True)
+                                              attn_mask=mask, scale=scale, enable_gqa=True)
     torch.testing.assert_close(out[:rows], expected.reshape(rows, heads * d), rtol=1e-5, atol=1e-6)
     assert (out[rows:] == 0).all()
 
