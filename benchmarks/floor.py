@@ -10,8 +10,11 @@ embeddings are lookups), L layers, D = heads x head_dim per layer:
 - generation: prefill 2M per prompt token (each prompt once, its KV cache shared by its G samples),
   2M per generated token, attention 4LD per (query, key) pair; each of the R decode steps is
   max(its FLOPs / peak, weight bytes / bandwidth);
-- every extra forward (reference log-probs): 2M per token of the B sequences of length p + R;
-- update: 6M per token (forward + backward), attention 3x the forward's;
+- every extra forward (reference log-probs): 2M per token, each prompt once (its activations are
+  the same in all G rows of its group; hybridrl computes them once, ``hybridrl.engine.shared_prefix``)
+  and the R - 1 response tokens that predict one (the last predicts nothing), attention over the
+  prompt and the row's own tokens;
+- update: 6M per token of that forward (forward + backward), attention 3x the forward's;
 - old log-probs, weight sync, reward and controller: 0 (an exactly on-policy update needs no old
   log-probs; a colocated rollout can read the actor's weights in place; scoring strings is not
   model work and can overlap).
@@ -88,6 +91,15 @@ def forward_flops(shape: ModelShape, rows: int, length: float) -> float:
     return rows * (2 * shape.matmul_params * length + 4 * shape.attn_dim * _attn_pairs(length))
 
 
+def shared_forward_flops(shape: ModelShape, n: int, g: int, p: float, r: int) -> float:
+    """One forward over N prompts of ``p`` tokens, each once, and the R - 1 response tokens of its G
+    rows that predict a token, attending to the prompt and causally to their own."""
+    fed = max(0, r - 1)
+    tokens = n * p + n * g * fed
+    pairs = n * _attn_pairs(p) + n * g * (fed * p + _attn_pairs(fed))
+    return 2 * shape.matmul_params * tokens + 4 * shape.attn_dim * pairs
+
+
 def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int) -> tuple[float, float]:
     """(FLOPs, seconds) of prefilling N prompts once and decoding R tokens for B = N*G rows."""
     flops = forward_flops(shape, n, p)
@@ -102,7 +114,7 @@ def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: flo
 def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int, with_ref: bool) -> dict:
     """Per-phase floor seconds (and FLOPs) of one GRPO step; keys match ``PHASES``."""
     gen_flops, gen_s = generation_floor(shape, machine, n, g, p, r)
-    fwd = forward_flops(shape, n * g, p + r)
+    fwd = shared_forward_flops(shape, n, g, p, r)
     ref = fwd if with_ref else 0.0
     update = 3 * fwd  # backward = 2x forward
     flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": 0.0, "ref": ref, "update_actor": update,

@@ -199,6 +199,9 @@ def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floo
         "update_mfu": floor["update_flops"] / phases["update_actor"] / peak if phases["update_actor"] else None,
         "padding_efficiency": statistics.median(1.0 / s["actor/padding_ratio"] for s in hyb
                                                 if s.get("actor/padding_ratio")) if hyb else None,
+        # update positions computed per real token: below 1 where the group's prompt is computed once
+        "positions_per_token": statistics.median(s["actor/compute_ratio"] for s in hyb
+                                                 if s.get("actor/compute_ratio")) if hyb else None,
         # issue 10's "controller overhead": time not spent in any worker (reward scoring aside)
         "controller_frac": (phases["controller"] + phases["dispatch"]) / hyb_step,
         "hybridrl_steps": [s["timing_s/step"] for s in hyb],

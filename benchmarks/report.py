@@ -71,8 +71,8 @@ def compiled(row: dict) -> str:
 
 
 def phase_table(rows: list[dict]) -> str:
-    lines = ["| case | ref | phase | median s | share of step | floor s | % of floor | update MFU | padding eff. |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | ref | phase | median s | share of step | floor s | % of floor | update MFU | padding eff. "
+             "| positions / real token |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = case_name(r)
         for key, label in PHASE_NAMES.items():
@@ -82,8 +82,11 @@ def phase_table(rows: list[dict]) -> str:
             frac = f"{100 * floor / seconds:.1f}%" if floor and seconds > 0 else "-"
             mfu = f"{100 * r['update_mfu']:.1f}%" if key == "update_actor" and r["update_mfu"] else ""
             pad = f"{r['padding_efficiency']:.3f}" if key == "update_actor" and r["padding_efficiency"] else ""
+            positions = r.get("positions_per_token") if key == "update_actor" else None
+            positions = f"{positions:.3f}" if positions else ""
             lines.append(f"| {name} | {'yes' if r['with_ref'] else 'no'} | {label} | {seconds:.3f} | "
-                         f"{100 * seconds / r['hybridrl_step_s']:.1f}% | {floor:.3f} | {frac} | {mfu} | {pad} |")
+                         f"{100 * seconds / r['hybridrl_step_s']:.1f}% | {floor:.3f} | {frac} | {mfu} | {pad} "
+                         f"| {positions} |")
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from hybridrl.engine.fsdp import resolve_dtype, shard_model
 from hybridrl.engine.lr_schedule import build_lr_scheduler
 from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real_lengths
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
+from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
 from hybridrl.protocol import DataProto
 
 __all__ = ["LossFn", "TrainEngine"]
@@ -62,6 +63,9 @@ class TrainEngine:
         torch_compile: compile each transformer block's forward (``hybridrl.engine.compile``); the
             first step pays the compilation.
         device: defaults to ``cuda:<LOCAL_RANK>`` with CUDA, else CPU.
+        share_prompts: compute a prompt that several rows of a micro-batch share (the ``n``
+            samples of GRPO) once for all of them, forward and backward
+            (``hybridrl.engine.shared_prefix``); same numbers to float rounding, fewer FLOPs.
     """
 
     def __init__(
@@ -84,10 +88,12 @@ class TrainEngine:
         torch_compile: bool = False,
         model_type: str = "causal_lm",
         device: torch.device | str | None = None,
+        share_prompts: bool = True,
     ):
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
         self.model_type = model_type
+        self.share_prompts = share_prompts
         self.device = torch.device(device) if device is not None else default_device()
         self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -126,21 +132,24 @@ class TrainEngine:
         """Per-token outputs for the response part, in the original row order.
 
         Returns a CPU DataProto with ``log_probs (B, R)`` (+ ``entropy (B, R)`` if asked) for a causal
-        LM, ``values (B, R)`` for a critic; ``meta_info`` has ``computed_tokens`` / ``real_tokens``.
+        LM, ``values (B, R)`` for a critic; ``meta_info`` has ``computed_tokens`` / ``real_tokens`` /
+        ``needed_tokens`` (as ``train_step``'s ratios count them).
         Micro-batches as in ``train_step``. Collective under FSDP (all ranks call it)."""
         self.model.eval()
         groups = self._micro_batches(data, micro_batch_size, max_token_len)
-        parts, computed, real = [], 0, 0
+        parts, counts = [], np.zeros(3, dtype=np.int64)
         for index in groups:
-            outputs, packed = self._forward_micro(data[index], temperature, calculate_entropy)
+            outputs, micro_counts = self._forward_micro(data[index], temperature, calculate_entropy)
             parts.append(outputs)
-            computed, real = computed + packed.computed_tokens, real + packed.real_tokens
+            counts += micro_counts
         order = torch.from_numpy(np.concatenate(groups))
         result = {}
         for key in parts[0]:
             merged = torch.cat([p[key] for p in parts]).cpu()
             result[key] = torch.empty_like(merged).index_copy_(0, order, merged)
-        return DataProto.from_dict(tensors=result, meta_info={"computed_tokens": computed, "real_tokens": real})
+        computed, real, needed = (int(c) for c in counts)
+        return DataProto.from_dict(tensors=result, meta_info={"computed_tokens": computed, "real_tokens": real,
+                                                              "needed_tokens": needed})
 
     # --------------------------------------------------------------------------- train step
     def train_step(
@@ -165,22 +174,23 @@ class TrainEngine:
 
         Returns ``loss`` (the global loss: sum over micro-batches and ranks), ``grad_norm``
         (before clipping; the step is skipped if it is not finite), ``lr`` (used by this step),
-        ``num_micro_batches``, ``padding_ratio`` (computed / real tokens on this rank), and the
-        loss_fn metrics averaged over this rank's micro-batches.
+        ``num_micro_batches``, ``padding_ratio`` (positions computed / positions needed without
+        padding, on this rank), ``compute_ratio`` (positions computed / real tokens: below 1 when
+        prompts are shared), and the loss_fn metrics averaged over this rank's micro-batches.
         """
         self.model.train()
         groups = self._micro_batches(data, micro_batch_size, max_token_len)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         user_metrics: dict[str, list[float]] = defaultdict(list)
-        computed = real = 0
+        counts = np.zeros(3, dtype=np.int64)
         for index in groups:
             micro = data[index]
-            outputs, packed = self._forward_micro(micro, temperature, calculate_entropy)
+            outputs, micro_counts = self._forward_micro(micro, temperature, calculate_entropy)
             loss, metrics = loss_fn(outputs, micro)
             loss.backward()
             loss_sum += loss.detach().double()
-            computed, real = computed + packed.computed_tokens, real + packed.real_tokens
+            counts += micro_counts
             for key, value in metrics.items():
                 user_metrics[key].append(float(value))
         grad_norm = self._clip_and_step()
@@ -194,7 +204,9 @@ class TrainEngine:
             dist.all_reduce(loss_sum, group=self.group)
         out = {key: float(np.mean(values)) for key, values in user_metrics.items()}
         out.update(loss=float(loss_sum), grad_norm=grad_norm, lr=lr, num_micro_batches=len(groups))
-        out["padding_ratio"] = computed / max(1, real)
+        computed, real, needed = (int(c) for c in counts)
+        out["padding_ratio"] = computed / max(1, needed)
+        out["compute_ratio"] = computed / max(1, real)
         return out
 
     def _clip_and_step(self) -> float:
@@ -226,13 +238,19 @@ class TrainEngine:
 
     def _forward_micro(
         self, micro: DataProto, temperature: float, calculate_entropy: bool
-    ) -> tuple[dict[str, torch.Tensor], PackedRows]:
-        """Outputs ``(b, R)`` for one micro-batch after removing its padding."""
+    ) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]]:
+        """Outputs ``(b, R)`` for one micro-batch after removing its padding, and its token counts:
+        positions computed, real tokens, and the positions the method computes without padding
+        (the real tokens, or with shared prompts each distinct prompt once)."""
         batch = {k: v.to(self.device) for k, v in micro.batch.items()}
         response_len = batch["responses"].shape[1]
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        if self.model_type == "causal_lm" and self.share_prompts:
+            shared = self._shared_prompt_stats(batch, position_ids, temperature, calculate_entropy)
+            if shared is not None:
+                return shared
         packed = pack_rows(batch["input_ids"], batch["attention_mask"], position_ids, response_len)
         # dense: causal attention alone is exact at real positions, and the unmasked kernel is faster
         kwargs = {"input_ids": packed.input_ids, "attention_mask": None if packed.dense else packed.attention_mask}
@@ -252,7 +270,34 @@ class TrainEngine:
                 output = self.model(**kwargs)
             values, valid = gather_response(_values_of(output), packed)
             outputs = {"values": torch.where(valid, values.float(), 0.0)}
-        return {k: _pad_right(v, response_len) for k, v in outputs.items()}, packed
+        real = packed.real_tokens
+        return {k: _pad_right(v, response_len) for k, v in outputs.items()}, (packed.computed_tokens, real, real)
+
+    def _shared_prompt_stats(self, batch: dict, position_ids: torch.Tensor, temperature: float,
+                             calculate_entropy: bool) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]] | None:
+        """``_forward_micro`` with each distinct prompt computed once (``hybridrl.engine.shared_prefix``),
+        or None where that does not apply or would save too little."""
+        if not (self._keeps_logits and shareable(self.model)):
+            return None
+        ids, mask, responses = batch["input_ids"], batch["attention_mask"], batch["responses"]
+        response_len = responses.shape[1]
+        p, r = real_lengths(mask, response_len)
+        groups = None
+        if int(p.min()) >= 1 and int(r.max()) >= 2:  # pack_rows reports a row without prompt
+            groups = prompt_groups(ids, mask, position_ids, ids.shape[1] - response_len, p, r)
+        if self.world_size > 1 and all_reduce_max(int(groups is None), self.group, self.device):
+            return None  # every rank makes the same model calls (FSDP gathers in each): all share or none
+        if groups is None:
+            return None
+        with self._autocast():
+            logits, computed = shared_prompt_logits(self.model, ids, mask, position_ids, response_len, p, r, groups)
+        # position j of the logits predicts response token j: the alignment of a row whose prompt is one token
+        aligned = PackedRows(input_ids=responses, attention_mask=mask, position_ids=position_ids,
+                             prompt_lens=torch.ones_like(p), response_lens=r)
+        outputs = _token_stats(logits, aligned, 0, responses, temperature, calculate_entropy)
+        first = groups[0]
+        needed = int(p[first].sum()) + int((r - 1).clamp(min=0).sum())
+        return {k: _pad_right(v, response_len) for k, v in outputs.items()}, (computed, int((p + r).sum()), needed)
 
     def _autocast(self):
         # FSDP casts through its MixedPrecisionPolicy; the plain module needs autocast instead.

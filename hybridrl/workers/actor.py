@@ -45,7 +45,8 @@ class ActorWorker(Worker):
         self.engine = build_engine(model, self.actor.optim, grad_clip=self.actor.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=self.updates_per_step,
                                    model_dtype=self.actor.fsdp_config.model_dtype,
-                                   torch_compile=self.actor.use_torch_compile)
+                                   torch_compile=self.actor.use_torch_compile,
+                                   share_prompts=arr.model.share_prompt_prefix)
         self.policy_params = PolicyLossParams(
             clip_ratio=self.actor.clip_ratio, clip_ratio_low=self.actor.clip_ratio_low,
             clip_ratio_high=self.actor.clip_ratio_high, clip_ratio_c=self.actor.clip_ratio_c,
@@ -93,7 +94,7 @@ class ActorWorker(Worker):
             mini, loss_fn, temperature=self.temperature, calculate_entropy=need_entropy,
             **micro_batching(self.actor.use_dynamic_bsz, self.actor.ppo_micro_batch_size_per_gpu,
                              self.actor.ppo_max_token_len_per_gpu))
-        out = {f"actor/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr", "padding_ratio")}
+        out = {f"actor/{k}": v for k, v in metrics.items() if k in ("grad_norm", "lr", "padding_ratio", "compute_ratio")}
         out.update({k: v for k, v in metrics.items() if k.startswith(("actor/", "rollout_corr/"))})
         out.update({f"actor/{k}": v for k, v in acc.all_reduced().items()})
         return screen_update(out, metrics, dict(acc.sums), role="actor", step=step, rank=self.rank,

@@ -38,7 +38,8 @@ def setup_distributed() -> None:
 
 
 def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps: int, updates_per_step: int,
-                 model_dtype: str, model_type: str = "causal_lm", torch_compile: bool = False) -> TrainEngine:
+                 model_dtype: str, model_type: str = "causal_lm", torch_compile: bool = False,
+                 share_prompts: bool = True) -> TrainEngine:
     """A TrainEngine from an ``optim`` config section.
 
     The engine steps its LR schedule once per optimizer step; verl's schedules count training
@@ -58,6 +59,7 @@ def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps
         param_dtype=_DTYPES[model_dtype],
         model_type=model_type,
         torch_compile=torch_compile,
+        share_prompts=share_prompts,
     )
 
 

@@ -22,7 +22,8 @@ class RefWorker(Worker):
                                override_config=dict(arr.model.override_config))
         model.requires_grad_(False)
         # lr 0 and no optimizer steps: the engine is used for its sharded, padding-free forward.
-        self.engine = TrainEngine(model, lr=0.0, torch_compile=self.ref.use_torch_compile)
+        self.engine = TrainEngine(model, lr=0.0, torch_compile=self.ref.use_torch_compile,
+                                  share_prompts=arr.model.share_prompt_prefix)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import build_model, make_batch, params_of, pg_loss_fn  # noqa: E402
+from helpers import build_model, make_batch, make_group_batch, params_of, pg_loss_fn  # noqa: E402
 
 from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
 from hybridrl.engine.packing import real_lengths  # noqa: E402
@@ -58,8 +58,19 @@ def main(out: Path) -> None:
     compiled_fwd = compiled.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
     compiled_steps = [compiled.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET),
                       compiled.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)]
+    # GRPO-style groups split across the ranks: each rank computes its rows' prompts once
+    grouped = make_group_batch(prompts=3, group=4, seed=23)
+    group_rows = torch.arange(len(grouped)).chunk(world)[rank]
+    sharing = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5)
+    group_fwd = sharing.forward(grouped[group_rows], calculate_entropy=True)
+    # rank 1 has no shared prompts: both ranks must then run the full rows (same model calls, no hang)
+    mixed = sharing.forward(grouped[group_rows] if rank == 0 else make_batch(batch_size=6, seed=24))
+    group_step = sharing.train_step(grouped[group_rows], pg_loss_fn(int(grouped.batch["response_mask"].sum())))
     torch.save(
         {
+            "group_rows": group_rows, "group_log_probs": group_fwd.batch["log_probs"], "group_step": group_step,
+            "group_tokens": (group_fwd.meta_info["computed_tokens"], group_fwd.meta_info["real_tokens"]),
+            "mixed_log_probs": mixed.batch["log_probs"], "mixed_computed": mixed.meta_info["computed_tokens"],
             "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
             "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
             "full": full, "local_shapes": local_shapes, "local_count": local_count,

@@ -72,6 +72,45 @@ def make_batch(batch_size: int = 8, prompt_len: int = 12, response_len: int = 10
     return DataProto.from_dict(tensors=tensors)
 
 
+def make_group_batch(prompts: int = 3, group: int = 4, prompt_len: int = 12, response_len: int = 10,
+                     seed: int = 0) -> DataProto:
+    """GRPO's layout: ``group`` consecutive rows per prompt with the same (left-padded) prompt
+    tokens and positions, and responses of their own (mixed lengths, right-padded, 1..R tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = prompts * group
+    p = torch.randint(1, prompt_len + 1, (prompts,), generator=gen).repeat_interleave(group)
+    p[:group] = prompt_len
+    r = torch.randint(1, response_len + 1, (rows,), generator=gen)
+    r[0] = response_len
+    t = prompt_len + response_len
+    cols = torch.arange(t)
+    mask = ((cols >= prompt_len - p[:, None]) & (cols < prompt_len + r[:, None])).long()
+    prompt_ids = torch.randint(1, VOCAB, (prompts, prompt_len), generator=gen).repeat_interleave(group, dim=0)
+    ids = torch.cat([prompt_ids, torch.randint(1, VOCAB, (rows, response_len), generator=gen)], dim=1)
+    ids = ids * mask + PAD_ID * (1 - mask)
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": ids[:, prompt_len:],
+        "response_mask": mask[:, prompt_len:].clone(),
+        "advantages": torch.randn(rows, response_len, generator=gen),
+    }
+    return DataProto.from_dict(tensors=tensors)
+
+
+def shared_computed(data: DataProto) -> int:
+    """Token positions a forward computes with shared prompts: each distinct prompt once (trimmed
+    to the longest), every row's response tokens but the last (which predicts nothing)."""
+    response_len = data.batch["responses"].shape[1]
+    mask = data.batch["attention_mask"]
+    prompt_len = mask.shape[1] - response_len
+    p = mask[:, :prompt_len].sum(1)
+    r = torch.where(mask[:, prompt_len:].bool(), torch.arange(1, response_len + 1), 0).amax(1)
+    distinct = torch.unique(data.batch["input_ids"][:, :prompt_len], dim=0).shape[0]
+    return distinct * int(p.max()) + len(p) * (int(r.max()) - 1)
+
+
 def pg_loss_fn(global_tokens: int):
     """-sum(log_prob * adv * mask) / global_tokens: token-mean over the whole mini-batch (all ranks)."""
 

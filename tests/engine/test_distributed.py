@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.engine import TrainEngine
 
-from .helpers import build_model, make_batch, params_of, pg_loss_fn
+from .helpers import build_model, make_batch, make_group_batch, params_of, pg_loss_fn, shared_computed
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -74,6 +74,25 @@ def test_forward_log_probs_match_world_size_1(two_ranks, single):
         want = single["fwd"].batch["log_probs"][res["rows"]]
         torch.testing.assert_close(res["log_probs"], want, rtol=0, atol=2e-6)
         torch.testing.assert_close(res["entropy"], single["fwd"].batch["entropy"][res["rows"]], rtol=0, atol=2e-6)
+
+
+def test_shared_prompts_across_ranks_match_full_rows_at_world_size_1(two_ranks):
+    ranks, _ = two_ranks
+    grouped = make_group_batch(prompts=3, group=4, seed=23)
+    engine = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, share_prompts=False)
+    fwd = engine.forward(grouped, calculate_entropy=True)
+    step = engine.train_step(grouped, pg_loss_fn(int(grouped.batch["response_mask"].sum())))
+    for res in ranks:
+        computed, _real = res["group_tokens"]
+        assert computed == shared_computed(grouped[res["group_rows"]])  # each rank's prompts once
+        torch.testing.assert_close(res["group_log_probs"], fwd.batch["log_probs"][res["group_rows"]], rtol=0, atol=5e-6)
+        assert res["group_step"]["loss"] == pytest.approx(step["loss"], rel=1e-5)
+        assert res["group_step"]["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
+    # rank 0 could share but rank 1 could not: both ran the full rows
+    local = grouped[ranks[0]["group_rows"]]
+    alone = TrainEngine(build_model(), lr=1e-3, share_prompts=False).forward(local)
+    assert ranks[0]["mixed_computed"] == alone.meta_info["computed_tokens"] > shared_computed(local)
+    torch.testing.assert_close(ranks[0]["mixed_log_probs"], alone.batch["log_probs"], rtol=0, atol=2e-6)
 
 
 def test_dynamic_batching_agrees_on_one_micro_batch_count(two_ranks):

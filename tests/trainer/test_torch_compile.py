@@ -31,4 +31,8 @@ def test_compiled_step_gives_the_eager_numbers(assets, tmp_path):
     assert all_finite(compiled) and eager.keys() == compiled.keys()
     assert "actor/kl_loss" in compiled
     for key, value in eager.items():
-        assert math.isclose(compiled[key], value, rel_tol=1e-4, abs_tol=1e-6), (key, compiled[key], value)
+        # ppo_kl is the mean difference between the old log-probs and the update's for the same weights:
+        # rounding alone (the prompt-sharing forwards of each phase compile to different graphs, whose
+        # log-probs agree to the engine's 5e-6 tolerance, tests/engine/test_shared_prefix.py)
+        tol = 5e-6 if key == "actor/ppo_kl" else 1e-6
+        assert math.isclose(compiled[key], value, rel_tol=1e-4, abs_tol=tol), (key, compiled[key], value)
