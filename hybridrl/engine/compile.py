@@ -19,6 +19,7 @@ checkpointing) stay eager around the compiled body.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 
@@ -51,5 +52,21 @@ def compile_blocks(model: nn.Module, device: torch.device) -> int:
         raise RuntimeError("torch compile on CUDA builds Triton kernels, but triton is not installed; "
                            "install it or set use_torch_compile=false")
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=True)
+        block.forward = _without_duck_shapes(torch.compile(block.forward, dynamic=True))
     return len(blocks)
+
+
+def _without_duck_shapes(compiled):
+    """``compiled`` traced without duck shaping: by default two dimensions that happen to be equal
+    when a graph is first traced share one symbol, and a later call where they differ recompiles
+    (seconds on a CPU). A micro-batch of 16 distinct prompts trimmed to 16 tokens (shared prompts,
+    ``hybridrl.engine.shared_prefix``) made the next step's shapes recompile every block; without
+    duck shaping each dimension gets its own symbol once."""
+    from torch.fx.experimental import _config as shape_config
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        with shape_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return forward

@@ -137,11 +137,12 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     # the last response token predicts nothing: pass 2 feeds tokens 0 .. R_mb - 2, which predict 1 .. R_mb - 1
     fed = r_mb - 1
     response = slice(prompt_width, prompt_width + fed)
-    own = attention_mask[:, response].bool()
+    own = attention_mask[:, None, None, response].bool()
     causal = torch.ones(fed, fed, dtype=torch.bool, device=own.device).tril()
-    # (b, 1, fed, P_mb + fed): the row's real prompt tokens, then its own tokens causally
-    full_mask = torch.cat([mask.bool()[index][:, None, :].expand(-1, fed, -1), causal[None] & own[:, None, :]],
-                          dim=2)[:, None]
+    # (b, 1, fed, P_mb + fed): the row's real prompt tokens, then its own tokens causally. Every
+    # input of pass 2 is a fresh contiguous tensor: compiled blocks guard on strides, and views into
+    # the (b, P + R) batch would change them with every batch's P.
+    full_mask = torch.cat([mask.bool()[index][:, None, None, :].expand(-1, 1, fed, -1), causal & own], dim=3)
     config = model.config
     previous = config._attn_implementation
     _active = _Share(index=index)
@@ -150,8 +151,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
         prompt_out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=pos,
                            use_cache=False, logits_to_keep=1)
         _active.responding = True
-        response_out = model(input_ids=input_ids[:, response], attention_mask=full_mask,
-                             position_ids=position_ids[:, response], use_cache=False)
+        response_out = model(input_ids=input_ids[:, response].contiguous(), attention_mask=full_mask,
+                             position_ids=position_ids[:, response].contiguous(), use_cache=False)
     finally:
         config._attn_implementation = previous
         _active = None

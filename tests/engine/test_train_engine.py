@@ -233,6 +233,24 @@ def test_torch_compile_gives_the_eager_numbers_with_any_micro_batch_shape():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_blocks_do_not_tie_dimensions_that_were_equal_once():
+    # a first call whose row count equals its width (16 prompts of 16 tokens) must not make every
+    # later shape recompile: without duck shaping the two dimensions keep their own symbols
+    import torch._dynamo
+
+    from hybridrl.engine.compile import compile_blocks
+
+    torch._dynamo.reset()
+    model = build_model()
+    compile_blocks(model, torch.device("cpu"))
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 90, (6, 6)))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model(input_ids=torch.randint(1, 90, (6, 9)))
+        model(input_ids=torch.randint(1, 90, (5, 7)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
+
+
 def test_torch_compile_errors_are_clear(monkeypatch):
     from torch import nn
 
