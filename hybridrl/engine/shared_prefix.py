@@ -7,9 +7,9 @@ model calls:
 
 1. the distinct prompts, once each (``U`` rows), with the normal causal mask; each attention layer
    keeps its rotated keys and values;
-2. every row's response tokens (``b`` rows), whose attention reads its group's prompt keys and
-   values (gathered per row, so autograd sums the gradients of all ``n`` rows into the one prompt
-   computation) followed by its own, causally.
+2. every row's response tokens but the last, which predicts nothing (``b`` rows), whose attention
+   reads its group's prompt keys and values (gathered per row, so autograd sums the gradients of
+   all ``n`` rows into the one prompt computation) followed by its own, causally.
 
 The log-prob of response token 0 comes from the prompt's last position (pass 1), token ``j > 0``
 from response position ``j - 1`` (pass 2). The arithmetic is the same as the full rows' up to float
