@@ -93,7 +93,6 @@ class TrainEngine:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
         self.model_type = model_type
-        self.share_prompts = share_prompts
         self.device = torch.device(device) if device is not None else default_device()
         self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -117,6 +116,9 @@ class TrainEngine:
         )
         self.global_step = 0
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # decided once: the model's type, attention and checkpointing do not change after this point
+        self._shares_prompts = (share_prompts and model_type == "causal_lm" and self._keeps_logits
+                                and shareable(model))
 
     # ------------------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -247,7 +249,7 @@ class TrainEngine:
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-        if self.model_type == "causal_lm" and self.share_prompts:
+        if self._shares_prompts:
             shared = self._shared_prompt_stats(batch, position_ids, temperature, calculate_entropy)
             if shared is not None:
                 return shared
@@ -276,9 +278,7 @@ class TrainEngine:
     def _shared_prompt_stats(self, batch: dict, position_ids: torch.Tensor, temperature: float,
                              calculate_entropy: bool) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]] | None:
         """``_forward_micro`` with each distinct prompt computed once (``hybridrl.engine.shared_prefix``),
-        or None where that does not apply or would save too little."""
-        if not (self._keeps_logits and shareable(self.model)):
-            return None
+        or None where it would save too little."""
         ids, mask, responses = batch["input_ids"], batch["attention_mask"], batch["responses"]
         response_len = responses.shape[1]
         p, r = real_lengths(mask, response_len)

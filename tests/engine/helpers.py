@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
 
+from hybridrl.engine.packing import real_lengths
 from hybridrl.protocol import DataProto
 
 VOCAB = 96
@@ -103,10 +104,8 @@ def shared_computed(data: DataProto) -> int:
     """Token positions a forward computes with shared prompts: each distinct prompt once (trimmed
     to the longest), every row's response tokens but the last (which predicts nothing)."""
     response_len = data.batch["responses"].shape[1]
-    mask = data.batch["attention_mask"]
-    prompt_len = mask.shape[1] - response_len
-    p = mask[:, :prompt_len].sum(1)
-    r = torch.where(mask[:, prompt_len:].bool(), torch.arange(1, response_len + 1), 0).amax(1)
+    prompt_len = data.batch["input_ids"].shape[1] - response_len
+    p, r = real_lengths(data.batch["attention_mask"], response_len)
     distinct = torch.unique(data.batch["input_ids"][:, :prompt_len], dim=0).shape[0]
     return distinct * int(p.max()) + len(p) * (int(r.max()) - 1)
 
