@@ -3,7 +3,9 @@
  * A decode step multiplies a few dozen rows by every weight matrix; around those matmuls each layer
  * ran about forty small torch ops (norms, rotary, cache write, attention, activation), each paying a
  * dispatch for a few kilobytes of work. The first three kernels below do the same arithmetic in three
- * calls per layer; the fourth picks each row's next token (about ten ops per step before). Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
+ * calls per layer; the fourth picks each row's next token (about ten ops per step before). The last
+ * section is the step's matmuls themselves (hr_dense, AVX-512), ordered so that reading the weights
+ * and computing on them overlap. Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
  * -ffp-contract=off, so a product followed by a sum is rounded as torch rounds it (no fused
  * multiply-add): the rotary embedding and the activation give torch's values; the norm's and the
  * attention's sums are added in another order (differences of a few ulp).
@@ -17,6 +19,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -230,3 +233,132 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
         free(block_sums);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode matmuls: out (m, n) = x (m, k) @ W^T (+ bias), W (n, k) packed by hr_pack_weight.
+ *
+ * A decode step multiplies a few dozen rows by every weight matrix, so each weight is read from
+ * memory once per step and used for only 2m FLOPs per element: reading and arithmetic take about
+ * the same time. A GEMM that reads a block of weights and then computes on it does one after the
+ * other (this is where MKL's packed GEMM spent half its time at 32 rows on this CPU). Here the work
+ * is ordered so the two overlap: each panel of 48 output columns is walked in chunks of HR_KC k
+ * steps; every 8-row tile of x passes over the chunk (from L1) while the next chunk is prefetched,
+ * a few lines every few k steps, spread over all the tiles' passes so the memory stream never
+ * pauses. Partial sums live in registers within a pass and in a small buffer between chunks.
+ * ------------------------------------------------------------------------------------------- */
+#define HR_NR 48   /* output columns per panel: three 16-float vectors */
+#define HR_MR 8    /* x rows per register tile (8 x 3 accumulators) */
+#define HR_KC 64   /* k steps per chunk: chunk (12 KB) + the next + x's slice stay in L1 */
+#define HR_TILES 8 /* tiles per row block: more rows are done in blocks of 64, re-reading W */
+
+/* (n, k) row-major -> panels of HR_NR columns, each (k, HR_NR) contiguous, zero past column n. */
+void hr_pack_weight(const float *w, float *out, int64_t n, int64_t k, int nthreads) {
+    int64_t panels = (n + HR_NR - 1) / HR_NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = out + p * k * HR_NR;
+        for (int64_t l = 0; l < HR_NR; l++) {
+            int64_t j = p * HR_NR + l;
+            if (j < n) {
+                const float *src = w + j * k;
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * HR_NR + l] = src[kk];
+            } else {
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * HR_NR + l] = 0.f;
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+int hr_dense_supported(void) { return 1; }
+
+/* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
+ * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
+ * rounding error grows with HR_KC + k / HR_KC rather than with k. Every 4 k steps it issues up to `per4` of
+ * the `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
+static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
+                           const char *pf, int64_t lines, int64_t per4, int64_t *done) {
+    __m512 a[3 * HR_MR];
+    for (int i = 0; i < 3 * HR_MR; i++) a[i] = _mm512_setzero_ps();
+    const float *x0 = x[0] + kc, *x1 = x[1] + kc, *x2 = x[2] + kc, *x3 = x[3] + kc;
+    const float *x4 = x[4] + kc, *x5 = x[5] + kc, *x6 = x[6] + kc, *x7 = x[7] + kc;
+    int64_t issued = *done;
+    for (int64_t kk = 0; kk < len; kk++) {
+        if ((kk & 3) == 0)
+            for (int64_t i = 0; i < per4 && issued < lines; i++, issued++) _mm_prefetch(pf + issued * 64, _MM_HINT_T0);
+        const float *wk = w + kk * HR_NR;
+        __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+        __m512 b;
+#define HR_ROW(r, xr)                                          \
+        b = _mm512_set1_ps(xr[kk]);                            \
+        a[3 * r] = _mm512_fmadd_ps(b, w0, a[3 * r]);           \
+        a[3 * r + 1] = _mm512_fmadd_ps(b, w1, a[3 * r + 1]);   \
+        a[3 * r + 2] = _mm512_fmadd_ps(b, w2, a[3 * r + 2]);
+        HR_ROW(0, x0) HR_ROW(1, x1) HR_ROW(2, x2) HR_ROW(3, x3)
+        HR_ROW(4, x4) HR_ROW(5, x5) HR_ROW(6, x6) HR_ROW(7, x7)
+#undef HR_ROW
+    }
+    *done = issued;
+    for (int i = 0; i < 3 * HR_MR; i++)
+        _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
+}
+
+static inline __mmask16 hr_cols(int64_t cols) {
+    return cols >= 16 ? (__mmask16)0xFFFF : cols <= 0 ? (__mmask16)0 : (__mmask16)((1u << cols) - 1);
+}
+
+/* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_weight.
+ * Threads split the panels (output columns); each streams its own contiguous part of `packed`. */
+void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
+              int nthreads) {
+    int64_t panels = (n + HR_NR - 1) / HR_NR;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        const char *end = (const char *)(packed + p1 * k * HR_NR); /* this thread's part ends here */
+        float acc[HR_TILES * 3 * HR_MR * 16] __attribute__((aligned(64)));
+        for (int64_t r0 = 0; r0 < m; r0 += HR_TILES * HR_MR) {
+            int64_t rows = m - r0 < HR_TILES * HR_MR ? m - r0 : HR_TILES * HR_MR;
+            int64_t tiles = (rows + HR_MR - 1) / HR_MR;
+            const float *xr[HR_TILES * HR_MR];
+            for (int64_t r = 0; r < tiles * HR_MR; r++) xr[r] = x + (r0 + (r < rows ? r : rows - 1)) * k;
+            for (int64_t p = p0; p < p1; p++) {
+                const float *panel = packed + p * k * HR_NR;
+                for (int64_t kc = 0; kc < k; kc += HR_KC) {
+                    int64_t len = k - kc < HR_KC ? k - kc : HR_KC;
+                    /* the next chunk in memory: this panel's, or the next panel's first */
+                    const char *pf = (const char *)(panel + (kc + len) * HR_NR);
+                    int64_t lines = HR_KC * HR_NR * 4 / 64;
+                    if (pf + lines * 64 > end) lines = pf < end ? (end - pf) / 64 : 0;
+                    int64_t per4 = (4 * lines + len * tiles - 1) / (len * tiles), done = 0;
+                    for (int64_t tile = 0; tile < tiles; tile++)
+                        hr_tile(xr + tile * HR_MR, kc, panel + kc * HR_NR, len, acc + tile * 3 * HR_MR * 16, kc == 0,
+                                pf, lines, per4, &done);
+                }
+                int64_t cols = n - p * HR_NR;
+                __mmask16 mask[3] = {hr_cols(cols), hr_cols(cols - 16), hr_cols(cols - 32)};
+                __m512 bv[3];
+                for (int v = 0; v < 3; v++)
+                    bv[v] = bias ? _mm512_maskz_loadu_ps(mask[v], bias + p * HR_NR + 16 * v) : _mm512_setzero_ps();
+                for (int64_t r = 0; r < rows; r++) {
+                    float *o = out + (r0 + r) * n + p * HR_NR;
+                    const float *a = acc + r * 48;
+                    for (int v = 0; v < 3; v++)
+                        _mm512_mask_storeu_ps(o + 16 * v, mask[v], _mm512_add_ps(_mm512_load_ps(a + 16 * v), bv[v]));
+                }
+            }
+        }
+    }
+}
+#else
+int hr_dense_supported(void) { return 0; }
+
+/* Without AVX-512 the decoder keeps MKL's packed GEMM (hr_dense_supported() == 0); never called. */
+void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
+              int nthreads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)nthreads;
+}
+#endif

@@ -1,8 +1,9 @@
 """Fused fp32 CPU kernels for the compact decoder's decode step, compiled on first use.
 
 ``cpu_kernels.c`` holds three kernels for each layer (residual add + RMSNorm, SiLU-and-multiply,
-and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, and
-one for token selection (sampling or greedy, with the token's log-prob) that replaces about ten. They
+and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, one
+for token selection (sampling or greedy, with the token's log-prob) that replaces about ten, and the
+decode matmuls (`CpuKernels.dense`, AVX-512 builds only) on weights packed once per weight update. They
 are compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``), the way
 inductor compiles its CPU kernels, into ``$HYBRIDRL_KERNEL_CACHE`` (default
 ``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags, the compiler and the CPU, and
@@ -40,6 +41,8 @@ _SIGNATURES = {
     "hr_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "hr_select_tokens": [_PTR, _PTR, _F32, _INT, _PTR, _PTR, _I64, _I64, _INT],
+    "hr_pack_weight": [_PTR, _PTR, _I64, _I64, _INT],
+    "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
                             _I64, _I64, _I64, _I64, _F32, _INT],
 }
@@ -59,6 +62,11 @@ class CpuKernels:
         self._silu_mul = lib.hr_silu_mul
         self._attention = lib.hr_decode_attention
         self._select_tokens = lib.hr_select_tokens
+        self._pack_weight = lib.hr_pack_weight
+        self._dense = lib.hr_dense
+        lib.hr_dense_supported.argtypes, lib.hr_dense_supported.restype = [], _INT
+        # the matmul kernel is written for AVX-512; builds without it leave decode matmuls to MKL
+        self.dense_supported = bool(lib.hr_dense_supported())
 
     def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor, rows: int) -> None:
@@ -83,6 +91,24 @@ class CpuKernels:
                         values.data_ptr(), keys.stride(0), keys.stride(1), valid.data_ptr(), valid.stride(0),
                         slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, torch.get_num_threads())
 
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight (n, k) in `dense`'s layout: panels of 48 output columns, each (k, 48), zero-padded
+        past n (a flat tensor of ceil(n / 48) * 48 * k floats)."""
+        n, k = weight.shape
+        weight = weight.contiguous()
+        packed = torch.empty(-(-n // 48) * 48 * k, dtype=torch.float32)
+        self._pack_weight(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+        return packed
+
+    def dense(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (m, k) @ W.T + bias -> (m, n), W (n, k) given as ``pack_weight(W)``; the sum over k runs in
+        blocks of 64 products (rounding differs from torch's matmul by a few ulp)."""
+        m, k = x.shape
+        x = x.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._dense(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), torch.get_num_threads())
+        return out
 
     def select_tokens(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
                       log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,10 @@ from hybridrl.rollout import cpu_kernels
 from hybridrl.rollout.kv_cache import StaticKVCache
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2")
+# Decode steps of up to this many rows run their matmuls through the fused kernels' `dense` (one pass
+# over the weights for all of them, reading overlapped with arithmetic); larger ones through MKL's
+# packed GEMM, which is as fast or faster once the arithmetic outweighs the reading.
+DENSE_KERNEL_MAX_ROWS = 64
 
 
 def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
@@ -62,11 +66,12 @@ class _FusedLayer:
     down_b: torch.Tensor | None
     out_in: bool  # matrices in (out, in) layout (else (in, out))
     packed: dict[str, torch.Tensor] | None = None  # the four matrices packed for decode (see CompactDecoder)
+    kernels: cpu_kernels.CpuKernels | None = None  # set when ``packed`` is in the fused kernels' layout
 
     def dense(self, name: str, x: torch.Tensor, rows: int) -> torch.Tensor:
         """x @ the named matrix (+ its bias); packed when ``rows`` (the packed row count) is set."""
         packed = self.packed[name] if rows else None
-        return _dense(x, getattr(self, name), getattr(self, name + "_b"), self.out_in, packed, rows)
+        return _dense(x, getattr(self, name), getattr(self, name + "_b"), self.out_in, packed, rows, self.kernels)
 
 
 def mkl_packing_supported(weight: torch.Tensor) -> bool:
@@ -81,12 +86,16 @@ def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_in: bool,
-           packed: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
-    """x (..., in) times ``weight`` ((out, in) if ``out_in``, else (in, out)) + bias; with ``packed``
-    (``_pack(weight, rows)``, out_in layout), through MKL's packed GEMM, x's rows zero-padded up to
+           packed: torch.Tensor | None = None, rows: int = 0,
+           kernels: cpu_kernels.CpuKernels | None = None) -> torch.Tensor:
+    """x (..., in) times ``weight`` ((out, in) if ``out_in``, else (in, out)) + bias; with ``packed``:
+    ``kernels.pack_weight(weight)`` through ``kernels.dense`` when ``kernels`` is given, else
+    ``_pack(weight, rows)`` (out_in layout) through MKL's packed GEMM, x's rows zero-padded up to
     ``rows`` (the products of the real rows are unchanged)."""
     flat = x.reshape(-1, x.shape[-1])
-    if packed is not None:
+    if packed is not None and kernels is not None:
+        out = kernels.dense(flat, packed, weight.shape[0], bias)
+    elif packed is not None:
         n = flat.shape[0]
         if n < rows:
             flat = F.pad(flat, (0, 0, 0, rows - n))
@@ -159,15 +168,18 @@ def kernels_unsupported(model: PreTrainedModel) -> str:
 class CompactDecoder:
     """Llama/Qwen2 forward on a static KV cache (see module docstring).
 
-    pack_weights: run decode-step matmuls (layers and LM head) through MKL's packed GEMM, with the
-        weights packed for the step's row count. A decode step multiplies a few dozen rows by every
-        weight matrix, and plain ``mm`` reaches only about half the machine's matmul rate at that
-        shape; the packed layout is built for the row count, which took 25-35% off the decode
-        matmuls of SmolLM2 (32 rows) and the 25M model (64 rows) on this CPU, with bit-identical
-        products. Weights are packed at the first decode step after a weight update (a pass over
-        the weights) and again only when the live rows fall to half the packed count (rows are
-        zero-padded up to it in between); the packed copy costs about the weights' size in memory
-        and is released by ``free``. None: on where supported (fp32 on a CPU torch with MKL).
+    pack_weights: run decode-step matmuls (layers and LM head) on packed copies of the weights. A
+        decode step multiplies a few dozen rows by every weight matrix, and plain ``mm`` reaches only
+        about half the machine's matmul rate at that shape. Steps of up to DENSE_KERNEL_MAX_ROWS rows
+        go through the fused kernels' ``dense`` (AVX-512 builds): its packing fits any row count, and
+        it overlaps reading the weights with the arithmetic, which MKL's packed GEMM does not (SmolLM2
+        at 32 rows, two threads: 36-42 vs 48-56 ms per step's matmuls). Larger steps, or no kernels:
+        MKL's packed GEMM with the weights packed for the step's row count (25-35% faster than plain
+        ``mm``, bit-identical products), packed again when the live rows fall to half the packed
+        count (rows are zero-padded up to it in between). Weights are packed at the first decode step
+        after a weight update (a pass over the weights); the packed copy costs about the weights'
+        size in memory and is released by ``free``. None: on where supported (fp32 on a CPU torch
+        with MKL).
     fused_kernels: run a decode step's non-matmul work (residual adds and norms, rotary, cache
         write, attention, SiLU) as three fused C kernels per layer (`hybridrl.rollout.cpu_kernels`)
         instead of about forty torch ops. None: on where they apply (fp32 CPU weights, HF's plain
@@ -183,7 +195,8 @@ class CompactDecoder:
         if pack_weights and not supported:
             raise ValueError("pack_weights=True needs fp32 weights on a CPU torch built with MKL")
         self.pack_weights = supported if pack_weights is None else pack_weights
-        self.packed_rows = 0  # row count the packed weights are built for; 0: not packed
+        self.packed_rows = 0  # most rows the packed weights serve; 0: not packed
+        self.packing: str | None = None  # "dense" (the fused kernels' layout), "mkl", or None
         self.packed_head: torch.Tensor | None = None
         self.model = model
         attn = model.model.layers[0].self_attn
@@ -298,21 +311,33 @@ class CompactDecoder:
         self._drop_packed()
 
     def _packed_rows_for(self, rows: int) -> int:
-        """The packed row count for a decode step of ``rows`` rows (packing first if needed); 0: plain."""
+        """The matmuls' row count for a decode step of ``rows`` rows (packing first if needed): ``rows``
+        itself with the fused kernels' packing, MKL's packed row count (rows are zero-padded up to
+        it), or 0 for plain ``mm``."""
         if not self.pack_weights:
             return 0
-        if rows > self.packed_rows or 2 * rows <= self.packed_rows:
-            self._drop_packed()  # the old packing goes first, so both never coexist in memory
-            self.packed_head = _pack(self.model.lm_head.weight.detach(), rows)
-            for fused in self.layers:
-                fused.packed = {name: _pack(getattr(fused, name), rows) for name in ("qkv", "o", "gate_up", "down")}
-            self.packed_rows = rows
+        if self.kernels is not None and self.kernels.dense_supported and rows <= DENSE_KERNEL_MAX_ROWS:
+            if self.packing != "dense":
+                self._repack("dense", DENSE_KERNEL_MAX_ROWS, self.kernels.pack_weight)
+            return rows
+        if self.packing != "mkl" or rows > self.packed_rows or 2 * rows <= self.packed_rows:
+            self._repack("mkl", rows, lambda weight: _pack(weight, rows))
         return self.packed_rows
+
+    def _repack(self, packing: str, rows: int, pack) -> None:
+        """Pack the four layer matrices and the LM head with ``pack`` (weight -> packed tensor)."""
+        self._drop_packed()  # the old packing goes first, so both never coexist in memory
+        kernels = self.kernels if packing == "dense" else None
+        self.packed_head = pack(self.model.lm_head.weight.detach())
+        for fused in self.layers:
+            fused.packed = {name: pack(getattr(fused, name)) for name in ("qkv", "o", "gate_up", "down")}
+            fused.kernels = kernels
+        self.packing, self.packed_rows = packing, rows
 
     def _drop_packed(self) -> None:
         for fused in getattr(self, "layers", ()):
-            fused.packed = None
-        self.packed_head, self.packed_rows = None, 0
+            fused.packed, fused.kernels = None, None
+        self.packed_head, self.packed_rows, self.packing = None, 0, None
 
     def _logits(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
         """Final norm, then the lm_head: (b, E) hidden states -> (b, V) logits."""
@@ -329,7 +354,8 @@ class CompactDecoder:
         """
         head = self.model.lm_head
         if rows:  # packed: the (b, V) product comes out directly
-            return _dense(normed, head.weight, head.bias, True, self.packed_head, rows)
+            kernels = self.kernels if self.packing == "dense" else None
+            return _dense(normed, head.weight, head.bias, True, self.packed_head, rows, kernels)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 

@@ -83,6 +83,72 @@ def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     assert (out[rows:] == 0).all()
 
 
+@pytest.fixture(scope="module")
+def dense_kernels(kernels):
+    if not kernels.dense_supported:
+        pytest.skip("the matmul kernel needs an AVX-512 build (this CPU or compiler has none)")
+    return kernels
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (48, 64), (100, 130), (960, 576), (577, 1536)])
+def test_dense_matches_a_float64_matmul(dense_kernels, n, k, threads):
+    # rows: one, a partial register tile, a full one, several, and past one 64-row block; columns: a
+    # partial panel, exact panels, a tail; k: under, at and over one 64-step chunk
+    gen = torch.Generator().manual_seed(n * k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = dense_kernels.pack_weight(weight)
+        assert packed.numel() == -(-n // 48) * 48 * k
+        for m in (1, 3, 8, 13, 64, 70):
+            x = torch.randn(m, k, generator=gen)
+            exact = x.double() @ weight.double().T + bias.double()
+            for b in (bias, None):
+                out = dense_kernels.dense(x, packed, n, b)
+                want = exact if b is not None else exact - bias.double()
+                torch_error = ((F.linear(x, weight, b) - want).abs() / (1 + want.abs())).max()
+                error = ((out - want).abs() / (1 + want.abs())).max()
+                assert out.shape == (m, n) and error <= 3 * torch_error + 1e-6, (m, b is None, error, torch_error)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_dense_packing_is_panels_of_48_columns(dense_kernels):
+    weight = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
+    packed = dense_kernels.pack_weight(weight).view(2, 3, 48)  # 2 panels x k x 48 columns
+    assert torch.equal(packed[0], weight[:48].T)
+    assert torch.equal(packed[1, :, :2], weight[48:].T) and (packed[1, :, 2:] == 0).all()
+
+
+def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(dense_kernels, monkeypatch):
+    # 20 prompts x 4 samples = 80 rows: MKL's packing first; as rows finish, the fused kernels' (<= 64 rows,
+    # no zero-padded rows, not packed again as rows keep finishing); tokens equal the plain path's
+    from hybridrl.rollout.decoder import DENSE_KERNEL_MAX_ROWS
+
+    tiny = build_tiny("qwen2")
+    params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 12)))
+    prompts = make_prompts(num=20, length=6, seed=5)
+    plain = run(NativeRolloutEngine(tiny, pack_weights=False, fused_kernels=False), params, prompts)
+    engine = NativeRolloutEngine(tiny, fused_kernels=True)
+    decoder, seen = engine.decoder, []
+    rows_for = decoder._packed_rows_for
+    monkeypatch.setattr(decoder, "_packed_rows_for",
+                        lambda rows: seen.append((rows, rows_for(rows), decoder.packing)) or seen[-1][1])
+    ours = run(engine, params, prompts)
+    assert torch.equal(ours["responses"], plain["responses"])
+    assert (ours["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max() < 1e-5
+    assert seen[0][2] == "mkl" and seen[0][0] > DENSE_KERNEL_MAX_ROWS
+    dense = [(rows, width) for rows, width, packing in seen if packing == "dense"]
+    assert dense and all(rows == width <= DENSE_KERNEL_MAX_ROWS for rows, width in dense)
+    assert len({rows for rows, _ in dense}) >= 2  # rows kept finishing on the one packing
+    packings = [packing for *_, packing in seen]
+    assert packings == ["mkl"] * packings.count("mkl") + ["dense"] * len(dense)  # mkl, then dense to the end
+    engine.free_cache()
+    assert decoder.packing is None and all(layer.packed is None and layer.kernels is None for layer in decoder.layers)
+
+
 @pytest.mark.parametrize("params", [sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40))),
                                     sampled(n=2, top_p=0.9, eos_token_id=EOS)], ids=["rows-finish", "top-p"])
 def test_fused_decode_matches_torch_ops(tiny_model, kernels, params):

@@ -187,10 +187,11 @@ def test_compact_and_generic_paths_sample_the_same(tiny_model):
 
 def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
     # many stop tokens: rows finish early, so steps run zero-padded up to the packed row count and
-    # the weights are packed again once the live rows fall to half of it
+    # the weights are packed again once the live rows fall to half of it (MKL's packing; without the
+    # fused kernels, whose own packing is tested in test_cpu_kernels.py)
     params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40)))
     plain = run(NativeRolloutEngine(tiny_model, pack_weights=False), params)
-    engine = NativeRolloutEngine(tiny_model, pack_weights=True)
+    engine = NativeRolloutEngine(tiny_model, pack_weights=True, fused_kernels=False)
     calls = []
     decoder_rows = engine.decoder._packed_rows_for
     monkeypatch.setattr(engine.decoder, "_packed_rows_for", lambda rows: calls.append((rows, decoder_rows(rows))) or calls[-1][1])
