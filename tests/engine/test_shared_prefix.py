@@ -8,7 +8,15 @@ from hybridrl.engine import TrainEngine, shared_prefix
 from hybridrl.engine.packing import real_lengths
 from hybridrl.engine.shared_prefix import prompt_groups, shared_prompt_logits
 
-from .helpers import build_model, make_batch, make_group_batch, pg_loss_fn, reference_outputs, shared_computed
+from .helpers import (
+    PAD_ID,
+    build_model,
+    make_batch,
+    make_group_batch,
+    pg_loss_fn,
+    reference_outputs,
+    shared_computed,
+)
 
 pytestmark = pytest.mark.component
 
@@ -47,6 +55,22 @@ def test_each_prompt_is_computed_once():
     prompts = mask[::4, :-response_len].sum()
     responses = (mask[:, -response_len:].sum(1) - 1).sum()
     assert shared["needed_tokens"] == int(prompts + responses) < shared["computed_tokens"]
+
+
+def test_a_one_token_prompt_beside_longer_ones():
+    # one group's prompt is a single token beside prompts of 12: its prompt-pass row is padding but for the last column
+    data = make_group_batch(prompts=3, group=4, seed=1)
+    b = data.batch
+    prompt_len = b["input_ids"].shape[1] - b["responses"].shape[1]
+    b["attention_mask"][4:8, : prompt_len - 1] = 0
+    b["input_ids"][4:8, : prompt_len - 1] = PAD_ID
+    b["position_ids"] = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    model = build_model()
+    ref = reference_outputs(model, data, temperature=1.0)
+    out = TrainEngine(model, lr=1e-3).forward(data, calculate_entropy=True)
+    assert out.meta_info["computed_tokens"] == shared_computed(data)  # shared, not the full rows
+    torch.testing.assert_close(out.batch["log_probs"], ref["log_probs"], rtol=0, atol=5e-6)
+    torch.testing.assert_close(out.batch["entropy"], ref["entropy"], rtol=0, atol=5e-6)
 
 
 def test_gradients_through_the_shared_prompt_equal_the_full_rows():
