@@ -123,7 +123,7 @@ def test_dense_packing_is_panels_of_48_columns(dense_kernels):
 
 
 def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(dense_kernels, monkeypatch):
-    # 20 prompts x 4 samples = 80 rows: MKL's packing first; as rows finish, the fused kernels' (<= 64 rows,
+    # 20 prompts x 4 samples = 80 rows: MKL's packing first; as rows finish, the fused kernels' (<= 56 rows,
     # no zero-padded rows, not packed again as rows keep finishing); tokens equal the plain path's
     from hybridrl.rollout.decoder import DENSE_KERNEL_MAX_ROWS
 
