@@ -8,7 +8,8 @@
  * and computing on them overlap. Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
  * -ffp-contract=off, so a product followed by a sum is rounded as torch rounds it (no fused
  * multiply-add): the rotary embedding and the activation give torch's values; the norm's and the
- * attention's sums are added in another order (differences of a few ulp).
+ * attention's sums are added in another order (differences of a few ulp). hr_dense's products use
+ * fused multiply-adds on purpose: its sums run in another order than any GEMM's anyway.
  *
  * Layouts (all contiguous, row-major, float32):
  *   hidden, x, out   (rows, width)
@@ -276,8 +277,8 @@ int hr_dense_supported(void) { return 1; }
 
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
  * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
- * rounding error grows with HR_KC + k / HR_KC rather than with k. Every 4 k steps it issues up to `per4` of
- * the `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
+ * rounding error grows with HR_KC + k / HR_KC rather than with k. Every 4 k steps it issues up to
+ * `per4` of the `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
                            const char *pf, int64_t lines, int64_t per4, int64_t *done) {
     __m512 a[3 * HR_MR];

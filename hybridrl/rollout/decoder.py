@@ -174,7 +174,7 @@ class CompactDecoder:
         about half the machine's matmul rate at that shape. Steps of up to DENSE_KERNEL_MAX_ROWS rows
         go through the fused kernels' ``dense`` (AVX-512 builds): its packing fits any row count, and
         it overlaps reading the weights with the arithmetic, which MKL's packed GEMM does not (SmolLM2
-        at 32 rows, two threads: 36-42 vs 48-56 ms per step's matmuls). Larger steps, or no kernels:
+        at 32 rows, two threads: 35-54 vs 48-78 ms per step's matmuls). Larger steps, or no kernels:
         MKL's packed GEMM with the weights packed for the step's row count (25-35% faster than plain
         ``mm``, bit-identical products), packed again when the live rows fall to half the packed
         count (rows are zero-padded up to it in between). Weights are packed at the first decode step
