@@ -149,6 +149,25 @@ def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(den
     assert decoder.packing is None and all(layer.packed is None and layer.kernels is None for layer in decoder.layers)
 
 
+def test_builds_without_the_matmul_kernel_decode_with_mkl(tiny_model, kernels, monkeypatch):
+    # a build without AVX-512 reports dense_supported False: small steps keep MKL's packed GEMM
+    plain = run(NativeRolloutEngine(tiny_model, pack_weights=False, fused_kernels=False), sampled())
+    engine = NativeRolloutEngine(tiny_model, fused_kernels=True)
+    monkeypatch.setattr(engine.decoder.kernels, "dense_supported", False)
+    packings = []
+    rows_for = engine.decoder._packed_rows_for
+
+    def recording(rows):
+        width = rows_for(rows)
+        packings.append(engine.decoder.packing)
+        return width
+
+    monkeypatch.setattr(engine.decoder, "_packed_rows_for", recording)
+    out = run(engine, sampled())
+    assert packings and set(packings) == {"mkl"}
+    assert torch.equal(out["responses"], plain["responses"])
+
+
 @pytest.mark.parametrize("params", [sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40))),
                                     sampled(n=2, top_p=0.9, eos_token_id=EOS)], ids=["rows-finish", "top-p"])
 def test_fused_decode_matches_torch_ops(tiny_model, kernels, params):
