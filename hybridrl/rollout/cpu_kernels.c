@@ -252,6 +252,9 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
 #define HR_KC 64   /* k steps per chunk: chunk (12 KB) + the next + x's slice stay in L1 */
 #define HR_TILES 8 /* tiles per row block: more rows are done in blocks of 64, re-reading W */
 
+/* Floats hr_pack_weight writes for an (n, k) weight: n rounded up to whole panels, times k. */
+int64_t hr_packed_floats(int64_t n, int64_t k) { return (n + HR_NR - 1) / HR_NR * HR_NR * k; }
+
 /* (n, k) row-major -> panels of HR_NR columns, each (k, HR_NR) contiguous, zero past column n. */
 void hr_pack_weight(const float *w, float *out, int64_t n, int64_t k, int nthreads) {
     int64_t panels = (n + HR_NR - 1) / HR_NR;

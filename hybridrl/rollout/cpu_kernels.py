@@ -65,6 +65,8 @@ class CpuKernels:
         self._pack_weight = lib.hr_pack_weight
         self._dense = lib.hr_dense
         lib.hr_dense_supported.argtypes, lib.hr_dense_supported.restype = [], _INT
+        lib.hr_packed_floats.argtypes, lib.hr_packed_floats.restype = [_I64, _I64], _I64
+        self._packed_floats = lib.hr_packed_floats  # the layout's size is the C side's to say
         # the matmul kernel is written for AVX-512; builds without it leave decode matmuls to MKL
         self.dense_supported = bool(lib.hr_dense_supported())
 
@@ -96,7 +98,7 @@ class CpuKernels:
         past n (a flat tensor of ceil(n / 48) * 48 * k floats)."""
         n, k = weight.shape
         weight = weight.contiguous()
-        packed = torch.empty(-(-n // 48) * 48 * k, dtype=torch.float32)
+        packed = torch.empty(self._packed_floats(n, k), dtype=torch.float32)
         self._pack_weight(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         return packed
 
