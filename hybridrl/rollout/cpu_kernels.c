@@ -67,24 +67,29 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
 
 /* Attention of `group` rotated queries (group, d) over slots [0, length) of one kv head: scores into
  * weights (group, length), softmax over the valid slots, the weighted sum of the values into o
- * (group, d), accumulated in acc (o itself, or a buffer the compiler can keep in registers).
+ * (group, d), accumulated in acc (o itself, or a buffer the compiler can keep in registers). Slots
+ * below `shared` are read from pkeys / pvalues (a prompt stored once for all its samples), the rest
+ * from keys / values (the row's own); with shared == 0 only the latter.
  *
  * The cache is read once per step and is far larger than the caches, and each (row, head) is a
  * short stream of a few kilobytes that the hardware prefetcher barely starts on: the keys are
  * requested KV_AHEAD slots ahead of the one being scored, and each slot's values (read by the
- * second pass) alongside it. A prefetch never faults, so reading ahead past the last slot is safe. */
-static inline __attribute__((always_inline)) void attend_into(const float *queries, const float *keys,
-        const float *values, const uint8_t *ok, int64_t length, float scale, float *weights, float *acc,
-        float *o, const int64_t group, const int64_t d, const float *next_keys) {
+ * second pass) alongside it; the last slots read ahead into the next (row, head)'s keys, so its
+ * stream starts warm. A prefetch never faults, so reading ahead past the last slot is safe. */
+#define HR_SLOT(shared_base, own_base, t) (((t) < shared ? (shared_base) : (own_base)) + (t) * d)
+static inline __attribute__((always_inline)) void attend_into(const float *queries, const float *pkeys,
+        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
+        int64_t length, float scale, float *weights, float *acc, float *o, const int64_t group, const int64_t d,
+        const float *next_keys) {
     float top[MAX_GROUP], total[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
     for (int64_t t = 0; t < length; t++) {
-        const float *k = keys + t * d;
-        /* the last slots read ahead into the next (row, head)'s keys, so its stream starts warm */
-        const float *ahead = t + KV_AHEAD < length ? k + KV_AHEAD * d : next_keys + (t + KV_AHEAD - length) * d;
+        const float *k = HR_SLOT(pkeys, keys, t), *v = HR_SLOT(pvalues, values, t);
+        const float *ahead = t + KV_AHEAD < length ? HR_SLOT(pkeys, keys, t + KV_AHEAD)
+                                                   : next_keys + (t + KV_AHEAD - length) * d;
         for (int64_t i = 0; i < d; i += 16) {
             __builtin_prefetch(ahead + i, 0, 3);
-            __builtin_prefetch(values + t * d + i, 0, 2);
+            __builtin_prefetch(v + i, 0, 2);
         }
         for (int64_t g = 0; g < group; g++) {
             const float *q = queries + g * d;
@@ -106,7 +111,7 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
     }
     for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;
     for (int64_t t = 0; t < length; t++) {
-        const float *v = values + t * d;
+        const float *v = HR_SLOT(pvalues, values, t);
         for (int64_t g = 0; g < group; g++) {
             float w = weights[g * length + t];
             for (int64_t i = 0; i < d; i++) acc[g * d + i] += w * v[i];
@@ -117,34 +122,45 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
         for (int64_t i = 0; i < d; i++) o[g * d + i] = acc[g * d + i] * inv;
     }
 }
+#undef HR_SLOT
 
 /* One shape with group and d known to the compiler: loops unrolled, the sums in registers. */
-static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const float *keys,
-        const float *values, const uint8_t *ok, int64_t length, float scale, float *weights, float *o,
-        const int64_t group, const int64_t d, const float *next_keys) {
+static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const float *pkeys,
+        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
+        int64_t length, float scale, float *weights, float *o, const int64_t group, const int64_t d,
+        const float *next_keys) {
     float acc[MAX_FIXED];
-    attend_into(queries, keys, values, ok, length, scale, weights, acc, o, group, d, next_keys);
+    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, acc, o, group, d,
+                next_keys);
 }
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
  * shape through the same code with its sizes at run time */
-static void attend(const float *queries, const float *keys, const float *values, const uint8_t *ok, int64_t length,
-                   float scale, float *weights, float *o, int64_t group, int64_t d, const float *next_keys) {
-#define HR_FIXED(G, D) if (group == G && d == D) { attend_fixed(queries, keys, values, ok, length, scale, weights, o, G, D, next_keys); return; }
+static void attend(const float *queries, const float *pkeys, const float *pvalues, const float *keys,
+                   const float *values, int64_t shared, const uint8_t *ok, int64_t length, float scale,
+                   float *weights, float *o, int64_t group, int64_t d, const float *next_keys) {
+#define HR_FIXED(G, D) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_keys); return; }
     HR_FIXED(1, 64) HR_FIXED(2, 64) HR_FIXED(3, 64) HR_FIXED(4, 64) HR_FIXED(5, 64) HR_FIXED(6, 64) HR_FIXED(7, 64) HR_FIXED(8, 64)
     HR_FIXED(1, 128) HR_FIXED(2, 128) HR_FIXED(3, 128) HR_FIXED(4, 128) HR_FIXED(1, 32) HR_FIXED(2, 32) HR_FIXED(4, 32)
 #undef HR_FIXED
-    attend_into(queries, keys, values, ok, length, scale, weights, o, o, group, d, next_keys);
+    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_keys);
 }
 
 /* One new token per row: rotate its queries and keys, store its key and value at `slot`, and attend
  * over slots [0, length) of its row (valid ones only). out (rows, heads * head_dim), query head
- * h * group + g reads kv head h (HF's repeat_kv order). */
+ * h * group + g reads kv head h (HF's repeat_kv order).
+ *
+ * Shared prompts (`source` not NULL): slots [0, shared) of row r are those of prompt row source[r]
+ * in pkcache / pvcache (same strides as the rows' cache), written once by the prefill and read by
+ * every sample of the prompt; the row's own cache holds only slots from `shared` on. */
 void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos, const float *ssin,
                          float *kcache, float *vcache, int64_t row_stride, int64_t head_stride,
                          const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t length, float *out,
-                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale, int nthreads) {
+                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+                         const float *pkcache, const float *pvcache, const int64_t *source, int64_t shared,
+                         int nthreads) {
     int64_t group = heads / kv_heads;
+    if (source == NULL) shared = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *weights = (float *)malloc(sizeof(float) * (size_t)(group * length));
@@ -156,14 +172,22 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
             const float *c = cos + r * d, *s = ssin + r * d;
             float *keys = kcache + r * row_stride + h * head_stride;
             float *values = vcache + r * row_stride + h * head_stride;
+            const float *pkeys = keys, *pvalues = values;
+            if (shared) {
+                pkeys = pkcache + source[r] * row_stride + h * head_stride;
+                pvalues = pvcache + source[r] * row_stride + h * head_stride;
+            }
             const uint8_t *ok = valid + r * valid_stride;
             rotate(src + (heads + h) * d, c, s, keys + slot * d, d);
             memcpy(values + slot * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
-            /* a prefetch never faults: past the last task it reads ahead harmlessly */
+            /* where the next task starts reading (a prefetch never faults: past the last task it
+             * reads ahead harmlessly) */
             const float *next_keys = h + 1 < kv_heads ? keys + head_stride : kcache + (r + 1) * row_stride;
-            attend(queries, keys, values, ok, length, scale, weights, out + r * heads * d + h * group * d, group, d,
-                   next_keys);
+            if (shared && r + 1 < rows)
+                next_keys = h + 1 < kv_heads ? pkeys + head_stride : pkcache + source[r + 1] * row_stride;
+            attend(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights,
+                   out + r * heads * d + h * group * d, group, d, next_keys);
         }
         free(weights);
         free(queries);

@@ -211,6 +211,9 @@ class CompactDecoder:
         param = next(model.parameters())
         self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim, param.dtype)
         self.kernels = self._load_kernels(fused_kernels)
+        # n > 1 samples per prompt with the fused kernels: one copy of each prompt's cache slots
+        # (`StaticKVCache.share_prompts`); off, every sample gets its own copy (same numbers)
+        self.share_prompts = True
 
     def _load_kernels(self, wanted: bool | None) -> cpu_kernels.CpuKernels | None:
         why = kernels_unsupported(self.model)
@@ -255,7 +258,10 @@ class CompactDecoder:
     ) -> torch.Tensor:
         """Run the prompts (N,P), fill cache slots [0, P), repeat rows G times; logits (N,V) at P-1."""
         rows, plen = input_ids.shape
-        self.cache.allocate(rows, rows * repeats, plen + max_new_tokens, input_ids.device)
+        # the fused kernels read a prompt's slots from one copy for all its samples (`share_prompts`)
+        share = self.share_prompts and self.kernels is not None and repeats > 1
+        self.cache.allocate(rows, rows * repeats, plen + max_new_tokens, input_ids.device,
+                            prompt_rows=rows if share else 0)
         key_ok = attention_mask.bool()
         self.cache.valid[:rows, :plen] = key_ok
         causal = torch.ones(plen, plen, dtype=torch.bool, device=input_ids.device).tril()
@@ -263,7 +269,10 @@ class CompactDecoder:
         mask = (causal & key_ok[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=input_ids.device)
         hidden = self._forward(input_ids, position_ids, mask[:, None], start=0)
         self.cache.length = plen
-        self.cache.repeat_rows(repeats)
+        if share:
+            self.cache.share_prompts(repeats)
+        else:
+            self.cache.repeat_rows(repeats)
         return self._logits(hidden[:, -1])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -295,8 +304,9 @@ class CompactDecoder:
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
             qkv = fused.dense("qkv", normed, rows)
             keys, values = self.cache.layer(index)
-            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.valid, start, attn, n,
-                                     self.num_heads, self.num_kv_heads, self.scaling)
+            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.live_valid(), start, attn, n,
+                                     self.num_heads, self.num_kv_heads, self.scaling,
+                                     self.cache.prompt_layer(index), self.cache.source, self.cache.shared)
             norm = layer.post_attention_layernorm
             kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
             kernels.silu_mul(fused.dense("gate_up", normed, rows), act, n)

@@ -181,6 +181,29 @@ def test_fused_decode_matches_torch_ops(tiny_model, kernels, params):
     assert engine.decoder.kernels is not None
 
 
+def test_samples_read_their_prompt_from_one_shared_copy(tiny_model, kernels, monkeypatch):
+    # 4 left-padded prompts x 3 samples, rows finishing early (compaction moves rows and their
+    # prompt pointers): the shared cache gives exactly the numbers of per-sample copies
+    params = sampled(n=3, temperature=1.5, stop_token_ids=tuple(range(2, 40)))
+    copies = NativeRolloutEngine(tiny_model, fused_kernels=True)
+    copies.decoder.share_prompts = False
+    expected = run(copies, params)
+    engine = NativeRolloutEngine(tiny_model, fused_kernels=True)
+    selected = []
+    monkeypatch.setattr(engine.decoder.cache, "repeat_rows",
+                        lambda repeats: repeats == 1 or pytest.fail("prompt rows were copied"))
+    select = engine.decoder.cache.select
+    monkeypatch.setattr(engine.decoder.cache, "select", lambda keep: (selected.append(keep.numel()), select(keep)))
+    out = run(engine, params)
+    cache = engine.decoder.cache
+    assert cache.base == 4 and cache.source is not None and selected  # shared, and rows were dropped
+    assert torch.equal(out["responses"], expected["responses"])
+    assert torch.equal(out["rollout_log_probs"], expected["rollout_log_probs"])
+    assert (out["response_mask"].sum(-1) < params.max_new_tokens).any()
+    one = run(engine, sampled(n=1))  # one sample per prompt: nothing to share
+    assert cache.source is None and cache.base == 0 and one["responses"].shape[0] == 4
+
+
 def test_fused_decode_logits_match_torch_ops_on_padded_prompts(tiny_model, kernels):
     prompts = make_prompts(num=3, length=7, seed=4)
     logits = {}
