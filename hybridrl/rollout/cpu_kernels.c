@@ -65,6 +65,20 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
 #define KV_AHEAD 8 /* cache slots read ahead of the one being scored */
 #define MAX_FIXED 512 /* group * head_dim of the largest shape specialised below */
 
+/* Softmax numerators in place: weights (group, length) -> exp(score - top[g]), their sums into total. */
+static inline __attribute__((always_inline)) void exp_scores(float *weights, int64_t length, int64_t group,
+                                                             const float *top, float *total) {
+    for (int64_t g = 0; g < group; g++) {
+        float *w = weights + g * length, sum = 0.f, m = top[g];
+        for (int64_t t = 0; t < length; t++) {
+            float e = expf(w[t] - m);
+            w[t] = e;
+            sum += e;
+        }
+        total[g] = sum;
+    }
+}
+
 /* Attention of `group` rotated queries (group, d) over slots [0, length) of one kv head: scores into
  * weights (group, length), softmax over the valid slots, the weighted sum of the values into o
  * (group, d), accumulated in acc (o itself, or a buffer the compiler can keep in registers). Slots
@@ -100,15 +114,7 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
             top[g] = score > top[g] ? score : top[g];
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *w = weights + g * length, sum = 0.f, m = top[g];
-        for (int64_t t = 0; t < length; t++) {
-            float e = expf(w[t] - m);
-            w[t] = e;
-            sum += e;
-        }
-        total[g] = sum;
-    }
+    exp_scores(weights, length, group, top, total);
     for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;
     for (int64_t t = 0; t < length; t++) {
         const float *v = HR_SLOT(pvalues, values, t);
@@ -134,11 +140,69 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
                 next_keys);
 }
 
+#if defined(__AVX512F__) && !defined(HR_NO_ATTEND64)
+#include <immintrin.h>
+#define HR_SLOT(shared_base, own_base, t) (((t) < shared ? (shared_base) : (own_base)) + (t) * 64)
+/* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
+static inline __attribute__((always_inline)) void attend64(const float *queries, const float *pkeys,
+        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
+        int64_t length, float scale, float *weights, float *o, const int64_t group, const float *next_keys) {
+    __m512 q[8][4], a[8][4];
+    float top[8], total[8];
+    for (int64_t g = 0; g < group; g++) {
+        top[g] = -1e30f;
+        for (int j = 0; j < 4; j++) q[g][j] = _mm512_loadu_ps(queries + g * 64 + 16 * j);
+    }
+    for (int64_t t = 0; t < length; t++) {
+        const float *k = HR_SLOT(pkeys, keys, t), *v = HR_SLOT(pvalues, values, t);
+        const float *ahead = t + KV_AHEAD < length ? HR_SLOT(pkeys, keys, t + KV_AHEAD)
+                                                   : next_keys + (t + KV_AHEAD - length) * 64;
+        for (int j = 0; j < 4; j++) {
+            _mm_prefetch((const char *)(ahead + 16 * j), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + 16 * j), _MM_HINT_T1);
+        }
+        __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+               k3 = _mm512_loadu_ps(k + 48);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q[g][0], k0), _mm512_mul_ps(q[g][1], k1)),
+                                     _mm512_add_ps(_mm512_mul_ps(q[g][2], k2), _mm512_mul_ps(q[g][3], k3)));
+            float score = ok[t] ? _mm512_reduce_add_ps(p) * scale : -1e30f; /* exp(-1e30 - top) is 0 */
+            weights[g * length + t] = score;
+            top[g] = score > top[g] ? score : top[g];
+        }
+    }
+    exp_scores(weights, length, group, top, total);
+    for (int64_t g = 0; g < group; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        const float *v = HR_SLOT(pvalues, values, t);
+        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+               v3 = _mm512_loadu_ps(v + 48);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 w = _mm512_set1_ps(weights[g * length + t]);
+            a[g][0] = _mm512_add_ps(a[g][0], _mm512_mul_ps(w, v0));
+            a[g][1] = _mm512_add_ps(a[g][1], _mm512_mul_ps(w, v1));
+            a[g][2] = _mm512_add_ps(a[g][2], _mm512_mul_ps(w, v2));
+            a[g][3] = _mm512_add_ps(a[g][3], _mm512_mul_ps(w, v3));
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        __m512 inv = _mm512_set1_ps(1.f / total[g]);
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + g * 64 + 16 * j, _mm512_mul_ps(a[g][j], inv));
+    }
+}
+#undef HR_SLOT
+#define HR_ATTEND64(G) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys); return; }
+#else
+#define HR_ATTEND64(G)
+#endif
+
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
  * shape through the same code with its sizes at run time */
 static void attend(const float *queries, const float *pkeys, const float *pvalues, const float *keys,
                    const float *values, int64_t shared, const uint8_t *ok, int64_t length, float scale,
                    float *weights, float *o, int64_t group, int64_t d, const float *next_keys) {
+    HR_ATTEND64(1) HR_ATTEND64(2) HR_ATTEND64(3) HR_ATTEND64(4) HR_ATTEND64(5) HR_ATTEND64(6) HR_ATTEND64(7) HR_ATTEND64(8)
 #define HR_FIXED(G, D) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_keys); return; }
     HR_FIXED(1, 64) HR_FIXED(2, 64) HR_FIXED(3, 64) HR_FIXED(4, 64) HR_FIXED(5, 64) HR_FIXED(6, 64) HR_FIXED(7, 64) HR_FIXED(8, 64)
     HR_FIXED(1, 128) HR_FIXED(2, 128) HR_FIXED(3, 128) HR_FIXED(4, 128) HR_FIXED(1, 32) HR_FIXED(2, 32) HR_FIXED(4, 32)

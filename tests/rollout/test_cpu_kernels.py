@@ -52,7 +52,8 @@ def test_silu_mul_matches_torch(kernels):
     assert (out[3:] == 0).all()
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (2, 2, 32), (4, 2, 128), (8, 1, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 1, 64), (10, 1, 64),
+                                                      (2, 2, 32), (4, 2, 128), (8, 1, 128)])
 def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     gen = torch.Generator().manual_seed(2)
     rows, max_rows, slots, slot = 3, 5, 12, 8
