@@ -140,7 +140,7 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
                 next_keys);
 }
 
-#if defined(__AVX512F__) && !defined(HR_NO_ATTEND64)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #define HR_SLOT(shared_base, own_base, t) (((t) < shared ? (shared_base) : (own_base)) + (t) * 64)
 /* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
