@@ -261,9 +261,9 @@ class CompactDecoder:
         # the fused kernels read a prompt's slots from one copy for all its samples (`share_prompts`)
         share = self.share_prompts and self.kernels is not None and repeats > 1
         self.cache.allocate(rows, rows * repeats, plen + max_new_tokens, input_ids.device,
-                            prompt_rows=rows if share else 0)
+                            spread=repeats if share else 1)
         key_ok = attention_mask.bool()
-        self.cache.valid[:rows, :plen] = key_ok
+        self.cache.prompt_valid()[:, :plen] = key_ok
         causal = torch.ones(plen, plen, dtype=torch.bool, device=input_ids.device).tril()
         # Pad queries (left padding) would see no key at all and give NaN: let them see themselves.
         mask = (causal & key_ok[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=input_ids.device)
@@ -304,9 +304,9 @@ class CompactDecoder:
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
             qkv = fused.dense("qkv", normed, rows)
             keys, values = self.cache.layer(index)
-            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.live_valid(), start, attn, n,
+            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.valid, start, attn, n,
                                      self.num_heads, self.num_kv_heads, self.scaling,
-                                     self.cache.prompt_layer(index), self.cache.source, self.cache.shared)
+                                     self.cache.prompts(index), self.cache.source, self.cache.shared)
             norm = layer.post_attention_layernorm
             kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
             kernels.silu_mul(fused.dense("gate_up", normed, rows), act, n)

@@ -197,12 +197,12 @@ def test_samples_read_their_prompt_from_one_shared_copy(tiny_model, kernels, mon
     monkeypatch.setattr(engine.decoder.cache, "select", lambda keep: (selected.append(keep.numel()), select(keep)))
     out = run(engine, params)
     cache = engine.decoder.cache
-    assert cache.base == 4 and cache.source is not None and selected  # shared, and rows were dropped
+    assert cache.source is not None and selected  # shared, and rows were dropped
     assert torch.equal(out["responses"], expected["responses"])
     assert torch.equal(out["rollout_log_probs"], expected["rollout_log_probs"])
     assert (out["response_mask"].sum(-1) < params.max_new_tokens).any()
     one = run(engine, sampled(n=1))  # one sample per prompt: nothing to share
-    assert cache.source is None and cache.base == 0 and one["responses"].shape[0] == 4
+    assert cache.source is None and cache.spread == 1 and one["responses"].shape[0] == 4
 
 
 def test_fused_decode_logits_match_torch_ops_on_padded_prompts(tiny_model, kernels):
