@@ -17,6 +17,7 @@
  *   cos, ssin        (rows, head_dim): rotary cos, and sin with its first half negated
  *   kcache, vcache   slot s of (row r, kv head h) at r * row_stride + h * head_stride + s * head_dim
  *   valid            (rows, valid_stride) bytes: slot holds a real token
+ *   source           (rows,) int64: the cache row holding row r's shared prompt slots (optional)
  */
 
 #include <math.h>
@@ -336,9 +337,9 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
  * the same time. A GEMM that reads a block of weights and then computes on it does one after the
  * other (this is where MKL's packed GEMM spent half its time at 32 rows on this CPU). Here the work
  * is ordered so the two overlap: each panel of 48 output columns is walked in chunks of HR_KC or
- * 2 HR_KC k steps; every 8-row tile of x passes over the chunk (from L1) while the next chunk is prefetched,
- * a few lines every few k steps, spread over all the tiles' passes so the memory stream never
- * pauses. Partial sums live in registers within a pass and in a small buffer between chunks.
+ * 2 HR_KC k steps; every 8-row tile of x passes over the chunk (from L1) while the next chunk is
+ * prefetched, a few lines every few k steps, spread over all the tiles' passes so the memory stream
+ * never pauses. Partial sums live in registers within a pass and in a small buffer between chunks.
  * ------------------------------------------------------------------------------------------- */
 #define HR_NR 48   /* output columns per panel: three 16-float vectors */
 #define HR_MR 8    /* x rows per register tile (8 x 3 accumulators) */
@@ -374,7 +375,8 @@ int hr_dense_supported(void) { return 1; }
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
  * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
  * rounding error grows with the chunk length + k / chunk length rather than with k. Every 4 k steps
- * it issues up to `per4` of the `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
+ * it issues up to `per4` of the `lines` prefetches of the next chunk at `pf` (*done counts those
+ * issued so far). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
                            const char *pf, int64_t lines, int64_t per4, int64_t *done) {
     __m512 a[3 * HR_MR];
