@@ -83,15 +83,15 @@ static inline __attribute__((always_inline)) void exp_scores(float *weights, int
 /* Attention of `group` rotated queries (group, d) over slots [0, length) of one kv head: scores into
  * weights (group, length), softmax over the valid slots, the weighted sum of the values into o
  * (group, d), accumulated in acc (o itself, or a buffer the compiler can keep in registers). Slots
- * below `shared` are read from pkeys / pvalues (a prompt stored once for all its samples), the rest
- * from keys / values (the row's own); with shared == 0 only the latter.
+ * below `shared` are read from pkeys / pvalues (a prompt stored once for all its samples), slot t
+ * from `shared` on at index t - shared of keys / values (the row's own); shared == 0: all the row's.
  *
  * The cache is read once per step and is far larger than the caches, and each (row, head) is a
  * short stream of a few kilobytes that the hardware prefetcher barely starts on: the keys are
  * requested KV_AHEAD slots ahead of the one being scored, and each slot's values (read by the
  * second pass) alongside it; the last slots read ahead into the next (row, head)'s keys, so its
  * stream starts warm. A prefetch never faults, so reading ahead past the last slot is safe. */
-#define HR_SLOT(shared_base, own_base, t) (((t) < shared ? (shared_base) : (own_base)) + (t) * d)
+#define HR_SLOT(shared_base, own_base, t) ((t) < shared ? (shared_base) + (t) * d : (own_base) + ((t) - shared) * d)
 static inline __attribute__((always_inline)) void attend_into(const float *queries, const float *pkeys,
         const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *acc, float *o, const int64_t group, const int64_t d,
@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define HR_SLOT(shared_base, own_base, t) (((t) < shared ? (shared_base) : (own_base)) + (t) * 64)
+#define HR_SLOT(shared_base, own_base, t) ((t) < shared ? (shared_base) + (t) * 64 : (own_base) + ((t) - shared) * 64)
 /* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
 static inline __attribute__((always_inline)) void attend64(const float *queries, const float *pkeys,
         const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
@@ -215,15 +215,15 @@ static void attend(const float *queries, const float *pkeys, const float *pvalue
  * over slots [0, length) of its row (valid ones only). out (rows, heads * head_dim), query head
  * h * group + g reads kv head h (HF's repeat_kv order).
  *
- * Shared prompts (`source` not NULL): slots [0, shared) of row r are those of prompt row source[r]
- * in pkcache / pvcache (same strides as the rows' cache), written once by the prefill and read by
- * every sample of the prompt; the row's own cache holds only slots from `shared` on. */
+ * Shared prompts (`source` not NULL): slots [0, shared) of row r are those of prompt source[r] in
+ * pkcache / pvcache (strides prow_stride, phead_stride), written once by the prefill and read by
+ * every sample of the prompt; the row's own cache holds slot s >= shared at index s - shared. */
 void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos, const float *ssin,
                          float *kcache, float *vcache, int64_t row_stride, int64_t head_stride,
                          const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t length, float *out,
                          int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                         const float *pkcache, const float *pvcache, const int64_t *source, int64_t shared,
-                         int nthreads) {
+                         const float *pkcache, const float *pvcache, int64_t prow_stride, int64_t phead_stride,
+                         const int64_t *source, int64_t shared, int nthreads) {
     int64_t group = heads / kv_heads;
     if (source == NULL) shared = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -239,18 +239,18 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
             float *values = vcache + r * row_stride + h * head_stride;
             const float *pkeys = keys, *pvalues = values;
             if (shared) {
-                pkeys = pkcache + source[r] * row_stride + h * head_stride;
-                pvalues = pvcache + source[r] * row_stride + h * head_stride;
+                pkeys = pkcache + source[r] * prow_stride + h * phead_stride;
+                pvalues = pvcache + source[r] * prow_stride + h * phead_stride;
             }
             const uint8_t *ok = valid + r * valid_stride;
-            rotate(src + (heads + h) * d, c, s, keys + slot * d, d);
-            memcpy(values + slot * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+            rotate(src + (heads + h) * d, c, s, keys + (slot - shared) * d, d);
+            memcpy(values + (slot - shared) * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
             /* where the next task starts reading (a prefetch never faults: past the last task it
              * reads ahead harmlessly) */
             const float *next_keys = h + 1 < kv_heads ? keys + head_stride : kcache + (r + 1) * row_stride;
             if (shared && r + 1 < rows)
-                next_keys = h + 1 < kv_heads ? pkeys + head_stride : pkcache + source[r + 1] * row_stride;
+                next_keys = h + 1 < kv_heads ? pkeys + phead_stride : pkcache + source[r + 1] * prow_stride;
             attend(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights,
                    out + r * heads * d + h * group * d, group, d, next_keys);
         }

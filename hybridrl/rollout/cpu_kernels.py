@@ -44,7 +44,7 @@ _SIGNATURES = {
     "hr_pack_weight": [_PTR, _PTR, _I64, _I64, _INT],
     "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
-                            _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _I64, _INT],
+                            _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
 }
 
 
@@ -88,18 +88,23 @@ class CpuKernels:
 
         qkv (R, (heads + 2 kv_heads) D); cos / signed_sin (rows, D); keys / values one layer's cache
         (max_rows, kv_heads, S, D) with the slot dimension contiguous per head; valid (max_rows, S)
-        bool; out (R, heads D). Shared prompts: ``prompts`` = (keys, values) of the prompt rows, laid
-        out as ``keys`` / ``values`` (same strides), ``source`` (rows,) int64 the prompt row of each
-        row, ``shared`` the slots [0, shared) read from it instead of the row's own."""
+        bool; out (R, heads D). Shared prompts: ``prompts`` = (keys, values) of the prompts (N,
+        kv_heads, P, D), slot dimension contiguous per head, ``source`` (rows,) int64 each row's
+        prompt, ``shared`` the slots [0, shared) read from it; the rows' own cache then holds slot
+        s >= shared at index s - shared (``slot`` stays the absolute slot)."""
         d = cos.shape[-1]
-        pk, pv = (None, None) if prompts is None else (prompts[0].data_ptr(), prompts[1].data_ptr())
-        if prompts is not None and (prompts[0].stride() != keys.stride() or source is None):
-            raise ValueError("decode_attention: shared prompts need the rows' cache strides and a source row per row")
+        if prompts is None:
+            pk = pv = src = None
+            p_row = p_head = shared = 0
+        else:
+            if source is None or prompts[0].stride() != prompts[1].stride():
+                raise ValueError("decode_attention: shared prompts need a source per row and keys/values alike")
+            pk, pv, src = prompts[0].data_ptr(), prompts[1].data_ptr(), source.data_ptr()
+            p_row, p_head = prompts[0].stride(0), prompts[0].stride(1)
         self._attention(qkv.data_ptr(), qkv.shape[-1], cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
                         values.data_ptr(), keys.stride(0), keys.stride(1), valid.data_ptr(), valid.stride(0),
-                        slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, pk, pv,
-                        None if prompts is None else source.data_ptr(), shared if prompts is not None else 0,
-                        torch.get_num_threads())
+                        slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, pk, pv, p_row, p_head,
+                        src, shared, torch.get_num_threads())
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight (n, k) in `dense`'s layout: panels of 48 output columns, each (k, 48), zero-padded

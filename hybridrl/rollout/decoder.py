@@ -261,7 +261,7 @@ class CompactDecoder:
         # the fused kernels read a prompt's slots from one copy for all its samples (`share_prompts`)
         share = self.share_prompts and self.kernels is not None and repeats > 1
         self.cache.allocate(rows, rows * repeats, plen + max_new_tokens, input_ids.device,
-                            spread=repeats if share else 1)
+                            prompt_length=plen if share else 0)
         key_ok = attention_mask.bool()
         self.cache.prompt_valid()[:, :plen] = key_ok
         causal = torch.ones(plen, plen, dtype=torch.bool, device=input_ids.device).tril()

@@ -5,12 +5,12 @@ so dropping finished rows is a single gather over dim 2 instead of 2L of them. S
 token at column s of the (B, T) output layout (left-padded prompt, then response), so a slot's
 validity is the prompt attention mask for s < P and 1 for response slots.
 
-Shared prompts (`share_prompts`, for the fused decode kernels): the prefill writes prompt i into
-row i*G only (`allocate(..., spread=G)`), and every live row reads slots [0, P) from its prompt's
-row (`source`) and keeps its own slots from P on. A prompt's keys and values are then read from one
-copy by all G samples instead of from G copies, and never copied G times. Compaction moves only
-slots from P on, so a prompt's slots stay in place for its samples however the rows move. The
-memory is that of G copies (each row keeps room for its prompt's slots).
+Shared prompts (`share_prompts`, for the fused decode kernels): the prefill writes the N prompts
+into a store of their own, (L, 2, N, Hkv, P, D), and the N*G live rows hold only the response slots
+(slot s at index s - P of a buffer P slots shorter). Every sample reads its prompt's slots from the
+store (`source`), so a prompt is kept, and read each step, once instead of G times; compaction moves
+only the live rows. With G samples of prompts of P tokens and responses of up to R, the cache holds
+N*P + N*G*R slots instead of N*G*(P + R).
 """
 
 from __future__ import annotations
@@ -31,39 +31,46 @@ class StaticKVCache:
         self.length = 0
         self._clear_sharing()
 
-    def _clear_sharing(self, spread: int = 1) -> None:
-        self.spread = spread  # the prefill's row i goes to buffer row i * spread
-        self.shared = 0  # slots [0, shared) of a live row are its prompt row's
-        self.source: torch.Tensor | None = None  # (rows,) int64: each live row's prompt (buffer) row
+    def _clear_sharing(self) -> None:
+        self.prompt_store: torch.Tensor | None = None  # (L, 2, N, Hkv, P, D) when prompts are shared
+        self.shared = 0  # slots [0, shared) of a live row are its prompt's (in the store)
+        self.source: torch.Tensor | None = None  # (rows,) int64: each live row's prompt in the store
 
-    def allocate(self, rows: int, max_rows: int, capacity: int, device: torch.device, spread: int = 1) -> None:
+    def allocate(self, rows: int, max_rows: int, capacity: int, device: torch.device, prompt_length: int = 0) -> None:
         """Start `rows` sequences with room for `max_rows` of `capacity` slots (the buffer is reused
-        when it is big enough); the prefill's rows land `spread` rows apart (`share_prompts`)."""
-        if rows * spread > max_rows:
-            raise ValueError(f"allocate: {rows} rows {spread} apart need {rows * spread} rows; max_rows is {max_rows}")
-        buf, total = self.buffer, max_rows
-        fits = buf is not None and buf.shape[2] >= total and buf.shape[4] >= capacity and buf.device == device
+        when it is big enough). ``prompt_length``: the rows are prompts of that many slots, prefilled
+        into a store of their own for `share_prompts`; the buffer then holds only later slots."""
+        kept = capacity - prompt_length
+        buf = self.buffer
+        fits = buf is not None and buf.shape[2] >= max_rows and buf.shape[4] >= kept and buf.device == device
         if not fits:
             self.buffer = None  # drop the old one first so both never coexist in memory
             self.buffer = torch.empty(
-                (self.num_layers, 2, total, self.shape_tail[0], capacity, self.shape_tail[1]),
+                (self.num_layers, 2, max_rows, self.shape_tail[0], kept, self.shape_tail[1]),
                 dtype=self.dtype,
                 device=device,
             )
-        self.valid = torch.ones(total, self.buffer.shape[4], dtype=torch.bool, device=device)
+        self._clear_sharing()
+        if prompt_length:
+            self.prompt_store = torch.empty((self.num_layers, 2, rows, self.shape_tail[0], prompt_length,
+                                             self.shape_tail[1]), dtype=self.dtype, device=device)
+        self.valid = torch.ones(max(rows, max_rows), capacity, dtype=torch.bool, device=device)
         self.rows, self.length = rows, 0
-        self._clear_sharing(spread)
 
     def prompt_valid(self) -> torch.Tensor:
-        """(rows, S) bool, a view: the validity rows the prefill's rows write (see `allocate`)."""
-        return self.valid[: self.rows * self.spread : self.spread]
+        """(rows, S) bool, a view: the validity of the rows being prefilled."""
+        return self.valid[: self.rows]
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys/values (b, Hkv, t, D) of the first b rows (`spread` apart) at slots [start, start + t)."""
+        """Store keys/values (b, Hkv, t, D) of the first b rows at slots [start, start + t) (a prefill
+        allocated with a prompt length: into the prompt store)."""
         rows, t = keys.shape[0], keys.shape[2]
-        slots = self.buffer[layer].narrow(3, start, t)  # a view; cheaper than a 5-part index per write
-        slots[0, : rows * self.spread : self.spread].copy_(keys)
-        slots[1, : rows * self.spread : self.spread].copy_(values)
+        if self.prompt_store is not None and self.source is None:
+            target = self.prompt_store[layer].narrow(3, start, t)
+        else:  # a view; cheaper than a 5-part index per write
+            target = self.buffer[layer].narrow(3, start - self.shared, t)
+        target[0, :rows].copy_(keys)
+        target[1, :rows].copy_(values)
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (rows, Hkv, length, D) of the active rows (views, no copy); not with shared
@@ -74,7 +81,8 @@ class StaticKVCache:
         return kv[0], kv[1]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All slots of one layer's keys and values (max_rows, Hkv, S, D), contiguous per head."""
+        """All slots of one layer's keys and values (max_rows, Hkv, S, D), contiguous per head (with
+        shared prompts: slots from `shared` on, slot s at index s - shared)."""
         return self.buffer[layer, 0], self.buffer[layer, 1]
 
     def attention_mask(self) -> torch.Tensor:
@@ -92,25 +100,25 @@ class StaticKVCache:
 
     def share_prompts(self, repeats: int) -> None:
         """Like `repeat_rows`, without copying: live row i*repeats + j reads slots [0, length) from
-        buffer row i*repeats, where the prefill wrote prompt i (see the module doc). Needs
-        `allocate(..., spread=repeats)`."""
-        if self.spread != repeats or self.source is not None:
-            raise RuntimeError(f"share_prompts({repeats}): allocate with spread={repeats} and prefill first")
+        prompt i in the store (see the module doc). Needs `allocate(..., prompt_length=length)`."""
+        store = self.prompt_store
+        if store is None or self.source is not None or store.shape[4] != self.length:
+            raise RuntimeError("share_prompts: allocate with the prompt length and prefill the prompts first")
         n = self.rows
-        self.valid[: n * repeats] = self.prompt_valid().repeat_interleave(repeats, dim=0)
-        self.shared, self.rows, self.spread = self.length, n * repeats, 1
-        self.source = torch.arange(0, n * repeats, repeats, device=self.buffer.device).repeat_interleave(repeats)
+        self.valid[: n * repeats] = self.valid[:n].repeat_interleave(repeats, dim=0)
+        self.shared, self.rows = self.length, n * repeats
+        self.source = torch.arange(n, device=store.device).repeat_interleave(repeats)
 
     def prompts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where rows read their shared prompt slots (`source` indexes it): the layer's own keys and
-        values; None when prompts are not shared."""
-        return None if self.source is None else self.layer(layer)
+        """The prompt store's keys and values of one layer (N, Hkv, P, D), which `source` indexes;
+        None when prompts are not shared."""
+        return None if self.source is None else (self.prompt_store[layer, 0], self.prompt_store[layer, 1])
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (k,) int64 (ascending), moved to the front of the buffer."""
-        first = self.shared  # shared prompt slots stay where the prefill wrote them
-        kept = self.buffer[:, :, keep, :, first : self.length]
-        self.buffer[:, :, : keep.numel(), :, first : self.length] = kept
+        filled = self.length - self.shared  # slots in the buffer (the prompts' stay in their store)
+        kept = self.buffer[:, :, keep, :, :filled]
+        self.buffer[:, :, : keep.numel(), :, :filled] = kept
         self.valid[: keep.numel()] = self.valid[keep]
         if self.source is not None:
             self.source = self.source[keep]

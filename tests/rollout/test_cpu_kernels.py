@@ -84,6 +84,28 @@ def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     assert (out[rows:] == 0).all()
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 16), (10, 1, 64)])
+def test_decode_attention_reads_shared_prompts_from_their_store(kernels, heads, kv_heads, d):
+    # rows 0-1 sample prompt 1, rows 2-3 prompt 0 (4 slots each); slots from 4 on are each row's own
+    gen = torch.Generator().manual_seed(3)
+    rows, plen, slots, slot = 4, 4, 12, 9
+    full = torch.randn(2, rows, kv_heads, slots, d, generator=gen)  # per-row copies: the reference layout
+    source = torch.tensor([1, 1, 0, 0])
+    store = torch.randn(2, 2, kv_heads, plen, d, generator=gen)
+    full[:, :, :, :plen] = store[:, source]
+    own = full[:, :, :, plen:].clone()  # slot s at index s - plen
+    valid = torch.ones(rows, slots, dtype=torch.bool)
+    valid[2:, 0] = False  # prompt 0 is left-padded
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    cos, sin = torch.randn(rows, d, generator=gen), _signed_sin(torch.randn(rows, d, generator=gen))
+    expected, out = torch.zeros(rows, heads * d), torch.zeros(rows, heads * d)
+    kernels.decode_attention(qkv, cos, sin, full[0], full[1], valid, slot, expected, rows, heads, kv_heads, 0.125)
+    kernels.decode_attention(qkv, cos, sin, own[0], own[1], valid, slot, out, rows, heads, kv_heads, 0.125,
+                             (store[0], store[1]), source, plen)
+    assert torch.equal(out, expected)
+    assert torch.equal(own, full[:, :, :, plen:])  # the new token written at index slot - plen
+
+
 @pytest.fixture(scope="module")
 def dense_kernels(kernels):
     if not kernels.dense_supported:
@@ -202,7 +224,7 @@ def test_samples_read_their_prompt_from_one_shared_copy(tiny_model, kernels, mon
     assert torch.equal(out["rollout_log_probs"], expected["rollout_log_probs"])
     assert (out["response_mask"].sum(-1) < params.max_new_tokens).any()
     one = run(engine, sampled(n=1))  # one sample per prompt: nothing to share
-    assert cache.source is None and cache.spread == 1 and one["responses"].shape[0] == 4
+    assert cache.source is None and cache.prompt_store is None and one["responses"].shape[0] == 4
 
 
 def test_fused_decode_logits_match_torch_ops_on_padded_prompts(tiny_model, kernels):
