@@ -129,7 +129,6 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
         for (int64_t i = 0; i < d; i++) o[g * d + i] = acc[g * d + i] * inv;
     }
 }
-#undef HR_SLOT
 
 /* One shape with group and d known to the compiler: loops unrolled, the sums in registers. */
 static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const float *pkeys,
@@ -143,11 +142,11 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define HR_SLOT(shared_base, own_base, t) ((t) < shared ? (shared_base) + (t) * 64 : (own_base) + ((t) - shared) * 64)
 /* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
 static inline __attribute__((always_inline)) void attend64(const float *queries, const float *pkeys,
         const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *o, const int64_t group, const float *next_keys) {
+    const int64_t d = 64;
     __m512 q[8][4], a[8][4];
     float top[8], total[8];
     for (int64_t g = 0; g < group; g++) {
@@ -157,7 +156,7 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
     for (int64_t t = 0; t < length; t++) {
         const float *k = HR_SLOT(pkeys, keys, t), *v = HR_SLOT(pvalues, values, t);
         const float *ahead = t + KV_AHEAD < length ? HR_SLOT(pkeys, keys, t + KV_AHEAD)
-                                                   : next_keys + (t + KV_AHEAD - length) * 64;
+                                                   : next_keys + (t + KV_AHEAD - length) * d;
         for (int j = 0; j < 4; j++) {
             _mm_prefetch((const char *)(ahead + 16 * j), _MM_HINT_T0);
             _mm_prefetch((const char *)(v + 16 * j), _MM_HINT_T1);
@@ -192,11 +191,11 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + g * 64 + 16 * j, _mm512_mul_ps(a[g][j], inv));
     }
 }
-#undef HR_SLOT
 #define HR_ATTEND64(G) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys); return; }
 #else
 #define HR_ATTEND64(G)
 #endif
+#undef HR_SLOT
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
  * shape through the same code with its sizes at run time */

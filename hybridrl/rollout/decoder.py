@@ -256,7 +256,8 @@ class CompactDecoder:
         repeats: int,
         max_new_tokens: int,
     ) -> torch.Tensor:
-        """Run the prompts (N,P), fill cache slots [0, P), repeat rows G times; logits (N,V) at P-1."""
+        """Run the prompts (N,P), fill cache slots [0, P), then repeat or share (`share_prompts`) the rows
+        G times; logits (N,V) at P-1."""
         rows, plen = input_ids.shape
         # the fused kernels read a prompt's slots from one copy for all its samples (`share_prompts`)
         share = self.share_prompts and self.kernels is not None and repeats > 1

@@ -54,7 +54,7 @@ class StaticKVCache:
         if prompt_length:
             self.prompt_store = torch.empty((self.num_layers, 2, rows, self.shape_tail[0], prompt_length,
                                              self.shape_tail[1]), dtype=self.dtype, device=device)
-        self.valid = torch.ones(max(rows, max_rows), capacity, dtype=torch.bool, device=device)
+        self.valid = torch.ones(max_rows, capacity, dtype=torch.bool, device=device)
         self.rows, self.length = rows, 0
 
     def prompt_valid(self) -> torch.Tensor:
@@ -76,7 +76,7 @@ class StaticKVCache:
         """Keys and values (rows, Hkv, length, D) of the active rows (views, no copy); not with shared
         prompts, where a row's first slots live in another row."""
         if self.source is not None:
-            raise RuntimeError("StaticKVCache.view: rows share their prompts' slots; read them with layer/prompt_layer")
+            raise RuntimeError("StaticKVCache.view: rows share their prompts' slots; read them with layer/prompts")
         kv = self.buffer[layer, :, : self.rows, :, : self.length]
         return kv[0], kv[1]
 
