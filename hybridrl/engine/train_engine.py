@@ -38,6 +38,7 @@ from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
 from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
 from hybridrl.protocol import DataProto
+from hybridrl.utils.cpu_matmul import use_onednn_linears
 
 __all__ = ["LossFn", "TrainEngine"]
 
@@ -100,6 +101,9 @@ class TrainEngine:
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         reduce = resolve_dtype(reduce_dtype, "reduce_dtype")
         model.to(self.device)
+        if self.device.type == "cpu" and self.param_dtype == torch.float32:
+            # fp32 products through oneDNN where it beats MKL (AMD CPUs: about 2x; hybridrl.utils.cpu_matmul)
+            use_onednn_linears(model)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         if torch_compile:

@@ -1,0 +1,122 @@
+"""hybridrl.utils.cpu_matmul: oneDNN products in place of MKL's, same numbers to float rounding."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hybridrl.utils import cpu_matmul
+from hybridrl.utils.cpu_matmul import OneDNNLinear, use_onednn_linears
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.onednn_available(), reason="torch without oneDNN")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """fp32 products summed in another order: relative error around 1e-6 of the largest value."""
+    assert a.shape == b.shape
+    scale = b.abs().max().clamp(min=1e-6)
+    assert float((a - b).abs().max() / scale) < 2e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 33), (2, 9, 64), (3, 1, 128)])
+def test_forward_and_gradients_match_nn_linear(shape, bias):
+    torch.manual_seed(0)
+    ref = nn.Linear(shape[-1], 48, bias=bias)
+    dnn = copy.deepcopy(ref)
+    assert use_onednn_linears(dnn, force=True) == 1 and type(dnn) is OneDNNLinear
+    x = torch.randn(*shape)
+    x_ref, x_dnn = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, out_dnn = ref(x_ref), dnn(x_dnn)
+    _close(out_dnn, out_ref)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out_dnn.backward(grad)
+    _close(x_dnn.grad, x_ref.grad)
+    _close(dnn.weight.grad, ref.weight.grad)
+    if bias:
+        _close(dnn.bias.grad, ref.bias.grad)
+
+
+def test_strided_views_and_compile():
+    """The last position of each sequence (rows with gaps between them) and a compiled caller."""
+    torch.manual_seed(1)
+    ref = nn.Linear(64, 40)
+    dnn = copy.deepcopy(ref)
+    use_onednn_linears(dnn, force=True)
+    hidden = torch.randn(4, 9, 64)
+
+    def head(module, h):
+        return module(h[:, -1]).square().sum()
+
+    compiled = torch.compile(lambda h: head(dnn, h), backend="inductor", fullgraph=True)
+    for fn, module in ((lambda h: head(dnn, h), dnn), (compiled, dnn)):
+        module.zero_grad()
+        ref.zero_grad()
+        h_ref, h_dnn = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+        loss_ref, loss_dnn = head(ref, h_ref), fn(h_dnn)
+        loss_ref.backward()
+        loss_dnn.backward()
+        _close(loss_dnn, loss_ref)
+        _close(h_dnn.grad, h_ref.grad)
+        _close(module.weight.grad, ref.weight.grad)
+
+
+def test_only_fp32_cpu_linears_are_turned():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Embedding(4, 8))
+    assert use_onednn_linears(model, force=True) == 1
+    assert type(model[0]) is OneDNNLinear and type(model[1]) is nn.Linear
+    # state dict keys and tensors are the module's own
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight"}
+
+
+def test_inference_linear_matches_f_linear():
+    torch.manual_seed(2)
+    x, w, b = torch.randn(5, 3, 32), torch.randn(24, 32), torch.randn(24)
+    _close(cpu_matmul.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def _backend_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    code = "from hybridrl.utils import cpu_matmul; print(cpu_matmul.backend())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "HYBRIDRL_CPU_MATMUL": value}, timeout=120)
+
+
+@pytest.mark.parametrize("value", ["mkl", "onednn", "auto"])
+def test_backend_choice(value):
+    result = _backend_in_subprocess(value)
+    assert result.returncode == 0, result.stderr
+    chosen = result.stdout.strip()
+    assert chosen == value if value != "auto" else chosen in ("mkl", "onednn")
+
+
+def test_bad_backend_names_the_variable():
+    result = _backend_in_subprocess("blas")
+    assert result.returncode != 0 and "HYBRIDRL_CPU_MATMUL='blas'" in result.stderr
+
+
+def test_train_engine_with_onednn_matches_mkl(monkeypatch):
+    """Two engines on the same tiny model and batch, one on each backend: same losses and weights
+    after two steps, to float rounding."""
+    from hybridrl.engine import TrainEngine
+    from hybridrl.models import build_tiny_model
+    from hybridrl.protocol import DataProto
+
+    ids = torch.randint(3, 1000, (6, 20), generator=torch.Generator().manual_seed(0))
+    data = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                        "responses": ids[:, 8:].clone()})
+    results = {}
+    for choice in ("mkl", "onednn"):
+        monkeypatch.setattr(cpu_matmul, "_choice", choice)
+        torch.manual_seed(0)
+        engine = TrainEngine(build_tiny_model("tiny"), lr=1e-3)
+        turned = sum(type(m) is OneDNNLinear for m in engine.model.modules())
+        assert (turned > 0) == (choice == "onednn")
+        losses = [engine.train_step(data, lambda out, micro: (-out["log_probs"].mean(), {}))["loss"] for _ in range(2)]
+        results[choice] = (losses, torch.cat([p.detach().flatten() for p in engine.model.parameters()]))
+    assert results["onednn"][0] == pytest.approx(results["mkl"][0], rel=1e-5)
+    _close(results["onednn"][1], results["mkl"][1])
