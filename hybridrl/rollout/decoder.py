@@ -23,13 +23,18 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hybridrl.rollout import cpu_kernels
 from hybridrl.rollout.kv_cache import StaticKVCache
+from hybridrl.utils import cpu_matmul
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps of up to this many rows run their matmuls through the fused kernels' `dense` (one pass
 # over the weights for all of them, reading overlapped with arithmetic); larger ones through MKL's
-# packed GEMM, which is as fast once the arithmetic outweighs the reading (25M shapes, one thread:
-# 21.6 vs 24.6 ms at 48 rows, 24.1 vs 25.7 at 56, 27.2 vs 26.9 at 64).
-DENSE_KERNEL_MAX_ROWS = 56
+# packed GEMM, which is as fast once the arithmetic outweighs the reading (25M shapes, one thread, an
+# Intel CPU: 21.6 vs 24.6 ms at 48 rows, 24.1 vs 25.7 at 56, 27.2 vs 26.9 at 64), or where oneDNN is
+# the CPU matmul backend (`hybridrl.utils.cpu_matmul`: AMD CPUs) through oneDNN, which the kernel still
+# beats at 128 rows there (25M, Zen 5, one thread: 13.8 vs 17.4 ms at 64 rows, 27.6 vs 30.0 at 128;
+# the tiny model 1.17 vs 1.24 ms at 128).
+DENSE_KERNEL_MAX_ROWS = 64
+DENSE_KERNEL_MAX_ROWS_ONEDNN = 128
 
 
 def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
@@ -102,7 +107,7 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
             flat = F.pad(flat, (0, 0, 0, rows - n))
         out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)[:n]
     elif out_in:
-        out = F.linear(flat, weight, bias)
+        out = cpu_matmul.linear(flat, weight, bias)  # oneDNN where it beats MKL (hybridrl.utils.cpu_matmul)
     else:
         out = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
     return out.view(*x.shape[:-1], weight.shape[0] if out_in else weight.shape[1])
@@ -172,9 +177,11 @@ class CompactDecoder:
     pack_weights: run decode-step matmuls (layers and LM head) on packed copies of the weights. A
         decode step multiplies a few dozen rows by every weight matrix, and plain ``mm`` reaches only
         about half the machine's matmul rate at that shape. Steps of up to DENSE_KERNEL_MAX_ROWS rows
-        go through the fused kernels' ``dense`` (AVX-512 builds): its packing fits any row count, and
+        (DENSE_KERNEL_MAX_ROWS_ONEDNN where oneDNN is the CPU matmul backend) go through the fused
+        kernels' ``dense`` (AVX-512 builds): its packing fits any row count, and
         it overlaps reading the weights with the arithmetic, which MKL's packed GEMM does not (SmolLM2
         at 32 rows, two threads: 35-54 vs 48-78 ms per step's matmuls). Larger steps, or no kernels:
+        oneDNN's plain products where ``hybridrl.utils.cpu_matmul`` chose it (nothing packed), else
         MKL's packed GEMM with the weights packed for the step's row count (25-35% faster than plain
         ``mm``, bit-identical products), packed again when the live rows fall to half the packed
         count (rows are zero-padded up to it in between). Weights are packed at the first decode step
@@ -328,10 +335,17 @@ class CompactDecoder:
         it), or 0 for plain ``mm``."""
         if not self.pack_weights:
             return 0
-        if self.kernels is not None and self.kernels.dense_supported and rows <= DENSE_KERNEL_MAX_ROWS:
+        onednn = cpu_matmul.backend() == "onednn"
+        limit = DENSE_KERNEL_MAX_ROWS_ONEDNN if onednn else DENSE_KERNEL_MAX_ROWS
+        if self.kernels is not None and self.kernels.dense_supported and rows <= limit:
             if self.packing != "dense":
-                self._repack("dense", DENSE_KERNEL_MAX_ROWS, self.kernels.pack_weight)
+                self._repack("dense", limit, self.kernels.pack_weight)
             return rows
+        if onednn:
+            # oneDNN's plain product outruns MKL's packed one where it was chosen (about 2x on AMD)
+            if self.packing == "mkl":
+                self._drop_packed()
+            return 0
         if self.packing != "mkl" or rows > self.packed_rows or 2 * rows <= self.packed_rows:
             self._repack("mkl", rows, lambda weight: _pack(weight, rows))
         return self.packed_rows
@@ -368,6 +382,8 @@ class CompactDecoder:
         if rows:  # packed: the (b, V) product comes out directly
             kernels = self.kernels if self.packing == "dense" else None
             return _dense(normed, head.weight, head.bias, True, self.packed_head, rows, kernels)
+        if cpu_matmul.backend() == "onednn" and head.weight.dtype == torch.float32 == normed.dtype:
+            return cpu_matmul.linear(normed, head.weight, head.bias)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 

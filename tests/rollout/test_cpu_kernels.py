@@ -145,11 +145,21 @@ def test_dense_packing_is_panels_of_48_columns(dense_kernels):
     assert torch.equal(packed[1, :, :2], weight[48:].T) and (packed[1, :, 2:] == 0).all()
 
 
-def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(dense_kernels, monkeypatch):
-    # 20 prompts x 4 samples = 80 rows: MKL's packing first; as rows finish, the fused kernels' (<= 56 rows,
-    # no zero-padded rows, not packed again as rows keep finishing); tokens equal the plain path's
-    from hybridrl.rollout.decoder import DENSE_KERNEL_MAX_ROWS
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(dense_kernels, monkeypatch, backend):
+    # 20 prompts x 4 samples = 80 rows: MKL's packing first (or, where oneDNN is the CPU matmul backend,
+    # oneDNN's plain products: nothing packed); as rows finish, the fused kernels' (<= 56 rows, no
+    # zero-padded rows, not packed again as rows keep finishing); tokens equal the plain path's.
+    # The kernel's row limit (64, 128 with oneDNN) is set to 56 here, below the 80 rows.
+    from hybridrl.rollout import decoder as decoder_module
+    from hybridrl.utils import cpu_matmul
 
+    if backend == "onednn" and not cpu_matmul.onednn_available():
+        pytest.skip("torch without oneDNN")
+    monkeypatch.setattr(cpu_matmul, "_choice", backend)
+    DENSE_KERNEL_MAX_ROWS = 56
+    monkeypatch.setattr(decoder_module, "DENSE_KERNEL_MAX_ROWS", DENSE_KERNEL_MAX_ROWS)
+    monkeypatch.setattr(decoder_module, "DENSE_KERNEL_MAX_ROWS_ONEDNN", DENSE_KERNEL_MAX_ROWS)
     tiny = build_tiny("qwen2")
     params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 12)))
     prompts = make_prompts(num=20, length=6, seed=5)
@@ -162,18 +172,25 @@ def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(den
     ours = run(engine, params, prompts)
     assert torch.equal(ours["responses"], plain["responses"])
     assert (ours["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max() < 1e-5
-    assert seen[0][2] == "mkl" and seen[0][0] > DENSE_KERNEL_MAX_ROWS
+    first = "mkl" if backend == "mkl" else None
+    assert seen[0][2] == first and seen[0][0] > DENSE_KERNEL_MAX_ROWS
+    if backend == "onednn":
+        assert seen[0][1] == 0  # plain products: no padded row count
     dense = [(rows, width) for rows, width, packing in seen if packing == "dense"]
     assert dense and all(rows == width <= DENSE_KERNEL_MAX_ROWS for rows, width in dense)
     assert len({rows for rows, _ in dense}) >= 2  # rows kept finishing on the one packing
     packings = [packing for *_, packing in seen]
-    assert packings == ["mkl"] * packings.count("mkl") + ["dense"] * len(dense)  # mkl, then dense to the end
+    before = len(packings) - len(dense)
+    assert before > 0 and packings == [first] * before + ["dense"] * len(dense)  # first, then dense to the end
     engine.free_cache()
     assert decoder.packing is None and all(layer.packed is None and layer.kernels is None for layer in decoder.layers)
 
 
 def test_builds_without_the_matmul_kernel_decode_with_mkl(tiny_model, kernels, monkeypatch):
     # a build without AVX-512 reports dense_supported False: small steps keep MKL's packed GEMM
+    from hybridrl.utils import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "_choice", "mkl")  # (with oneDNN chosen nothing is packed)
     plain = run(NativeRolloutEngine(tiny_model, pack_weights=False, fused_kernels=False), sampled())
     engine = NativeRolloutEngine(tiny_model, fused_kernels=True)
     monkeypatch.setattr(engine.decoder.kernels, "dense_supported", False)

@@ -189,6 +189,9 @@ def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
     # many stop tokens: rows finish early, so steps run zero-padded up to the packed row count and
     # the weights are packed again once the live rows fall to half of it (MKL's packing; without the
     # fused kernels, whose own packing is tested in test_cpu_kernels.py)
+    from hybridrl.utils import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "_choice", "mkl")  # where oneDNN is chosen nothing is packed (next test)
     params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40)))
     plain = run(NativeRolloutEngine(tiny_model, pack_weights=False), params)
     engine = NativeRolloutEngine(tiny_model, pack_weights=True, fused_kernels=False)
@@ -203,6 +206,28 @@ def test_packed_decode_matches_plain_as_rows_finish(tiny_model, monkeypatch):
     assert plain["response_mask"].sum(1).float().mean() < R / 2  # rows did finish early
     engine.free_cache()
     assert engine.decoder.packed_rows == 0 and all(layer.packed is None for layer in engine.decoder.layers)
+
+
+def test_onednn_decode_matches_plain_and_packs_nothing(tiny_model, monkeypatch):
+    # where oneDNN is the CPU matmul backend (hybridrl.utils.cpu_matmul) its plain products replace
+    # MKL's packed ones: prefill, decode steps and the LM head through it, no weight packed
+    from hybridrl.utils import cpu_matmul
+
+    if not cpu_matmul.onednn_available():
+        pytest.skip("torch without oneDNN")
+    params = sampled(n=4, temperature=1.5, stop_token_ids=tuple(range(2, 40)))
+    monkeypatch.setattr(cpu_matmul, "_choice", "mkl")
+    plain = run(NativeRolloutEngine(tiny_model, pack_weights=False), params)
+    monkeypatch.setattr(cpu_matmul, "_choice", "onednn")
+    calls = []
+    product = cpu_matmul._onednn
+    monkeypatch.setattr(cpu_matmul, "_onednn", lambda *args: calls.append(args[0].shape[0]) or product(*args))
+    engine = NativeRolloutEngine(tiny_model, pack_weights=True, fused_kernels=False)
+    ours = run(engine, params)
+    assert torch.equal(ours["responses"], plain["responses"])
+    assert (ours["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max() < 1e-5
+    assert calls and engine.decoder.packing is None and engine.decoder.packed_rows == 0
+    assert len(set(calls)) >= 3  # prefill rows, then decode steps of shrinking row counts
 
 
 def test_compact_norm_and_rotary_equal_hf_bit_for_bit(tiny_model):
