@@ -382,7 +382,8 @@ class CompactDecoder:
         if rows:  # packed: the (b, V) product comes out directly
             kernels = self.kernels if self.packing == "dense" else None
             return _dense(normed, head.weight, head.bias, True, self.packed_head, rows, kernels)
-        if cpu_matmul.backend() == "onednn" and head.weight.dtype == torch.float32 == normed.dtype:
+        if normed.device.type == "cpu" and head.weight.dtype == torch.float32 == normed.dtype \
+                and cpu_matmul.backend() == "onednn":
             return cpu_matmul.linear(normed, head.weight, head.bias)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias

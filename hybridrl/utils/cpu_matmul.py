@@ -99,7 +99,7 @@ def _applies(*tensors: torch.Tensor | None) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inference: through oneDNN where ``backend()`` chose it."""
-    if backend() != "onednn" or not _applies(x, weight, bias):
+    if not _applies(x, weight, bias) or backend() != "onednn":
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     return _onednn(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
