@@ -53,8 +53,16 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., k) -> (m, k); a 2-D tensor as it is (also when empty, where reshape(-1, 0) is ambiguous)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (m, in) @ weight (out, in)^T + bias through oneDNN; either operand may be a transposed view."""
+    """x (m, in) @ weight (out, in)^T + bias through oneDNN; either operand may be a transposed view.
+    An empty sum (in = 0, e.g. the weight gradient of an empty batch) has no oneDNN primitive."""
+    if x.shape[1] == 0:
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(_compact(x), _compact(weight), bias, "none", [], "")
 
 
@@ -101,15 +109,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for inference: through oneDNN where ``backend()`` chose it."""
     if not _applies(x, weight, bias) or backend() != "onednn":
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    return _onednn(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------------- trainable linear
 @torch.library.custom_op("hybridrl::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    return _onednn(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 @_linear_op.register_fake
@@ -125,13 +131,13 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    grad2 = grad.reshape(-1, grad.shape[-1])
+    grad2 = _rows(grad)
     grad_x = grad_w = grad_b = None
     # the products through the op itself, so that a compiled graph keeps them opaque as well
     if ctx.needs_input_grad[0]:  # (m, out) @ (out, in): the weight's transpose as oneDNN's (out', in')
         grad_x = _linear_op(grad2, weight.t(), None).view(x.shape)
     if ctx.needs_input_grad[1]:  # (out, m) @ (m, in)
-        grad_w = _linear_op(grad2.t(), x.reshape(-1, x.shape[-1]).t(), None)
+        grad_w = _linear_op(grad2.t(), _rows(x).t(), None)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = grad2.sum(0)
     return grad_x, grad_w, grad_b
