@@ -115,7 +115,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # ------------------------------------------------------------------------- trainable linear
 @torch.library.custom_op("hybridrl::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    out = _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    # a tensor of its own over the same memory, not a view: FSDP2 warns about (and autograd treats
+    # specially) a module output that is a view, and the LM head's output is the model's
+    return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
 
 
 @_linear_op.register_fake
