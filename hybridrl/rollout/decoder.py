@@ -28,8 +28,8 @@ from hybridrl.utils import cpu_matmul
 COMPACT_MODEL_TYPES = ("llama", "qwen2")
 # Decode steps of up to this many rows run their matmuls through the fused kernels' `dense` (one pass
 # over the weights for all of them, reading overlapped with arithmetic); larger ones through MKL's
-# packed GEMM, which is as fast once the arithmetic outweighs the reading (25M shapes, one thread, an
-# Intel CPU: 21.6 vs 24.6 ms at 48 rows, 24.1 vs 25.7 at 56, 27.2 vs 26.9 at 64), or where oneDNN is
+# packed GEMM, which is as fast once the arithmetic outweighs the reading (25M shapes, one thread, a
+# CPU where MKL runs at full rate: 21.6 vs 24.6 ms at 48 rows, 24.1 vs 25.7 at 56, 27.2 vs 26.9 at 64), or where oneDNN is
 # the CPU matmul backend (`hybridrl.utils.cpu_matmul`: AMD CPUs) through oneDNN, which the kernel still
 # beats at 128 rows there (25M, Zen 5, one thread: 13.8 vs 17.4 ms at 64 rows, 27.6 vs 30.0 at 128;
 # the tiny model 1.17 vs 1.24 ms at 128).

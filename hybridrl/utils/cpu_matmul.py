@@ -1,11 +1,11 @@
 """fp32 matmuls on CPU through oneDNN where it beats torch's default BLAS (MKL).
 
 torch runs an fp32 ``mm`` / ``F.linear`` on CPU through MKL's sgemm, which takes its fastest
-(AVX-512) code only on Intel processors. On an AMD EPYC with AVX-512 (Zen 4/5) it runs the AVX2
+(AVX-512) code only on Intel processors. On an AMD EPYC with AVX-512 (a Zen 5 here) it runs the AVX2
 code at about half the machine's rate: on this project's Zen 5 machines 104-117 GFLOP/s on one
 thread, where oneDNN (bundled with torch, dispatching on the instruction set rather than the
 vendor) reaches 250-260 GFLOP/s on the same products, including the transposed ones of a backward
-pass. On an Intel CPU both run at about the same rate.
+pass. Where MKL runs its AVX-512 code, ``auto`` keeps it unless oneDNN is clearly faster.
 
 ``backend()`` decides once per process: ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces one;
 ``auto`` (the default) times both on one product and takes oneDNN when it is at least
