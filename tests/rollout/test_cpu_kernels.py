@@ -146,7 +146,7 @@ def test_dense_packing_is_panels_of_48_columns(dense_kernels):
 
 
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
-def test_decode_switches_between_the_dense_kernel_and_mkl_with_the_row_count(dense_kernels, monkeypatch, backend):
+def test_decode_moves_to_the_dense_kernel_as_rows_finish(dense_kernels, monkeypatch, backend):
     # 20 prompts x 4 samples = 80 rows: MKL's packing first (or, where oneDNN is the CPU matmul backend,
     # oneDNN's plain products: nothing packed); as rows finish, the fused kernels' (<= 56 rows, no
     # zero-padded rows, not packed again as rows keep finishing); tokens equal the plain path's.
