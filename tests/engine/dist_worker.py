@@ -16,6 +16,8 @@ from helpers import build_model, make_batch, make_group_batch, params_of, pg_los
 from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
 from hybridrl.engine.packing import real_lengths  # noqa: E402
 from hybridrl.engine.seqlen_balancing import partition_micro_batches  # noqa: E402
+from hybridrl.utils import cpu_matmul  # noqa: E402
+from hybridrl.utils.cpu_matmul import OneDNNLinear  # noqa: E402
 
 BUDGET = 40
 
@@ -75,6 +77,8 @@ def main(out: Path) -> None:
             "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
             "full": full, "local_shapes": local_shapes, "local_count": local_count,
             "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
+            "matmul_backend": cpu_matmul.backend(),
+            "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
         },
         out / f"rank{rank}.pt",
     )

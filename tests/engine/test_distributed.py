@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.engine import TrainEngine
+from hybridrl.utils import cpu_matmul
 
 from .helpers import build_model, make_batch, make_group_batch, params_of, pg_loss_fn, shared_computed
 
@@ -24,13 +25,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKENDS = ["mkl", "onednn"] if cpu_matmul.onednn_available() else ["mkl"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    """Every test below runs with each CPU matmul backend (hybridrl.utils.cpu_matmul), whichever one
+    this machine would pick: the ranks get it through HYBRIDRL_CPU_MATMUL, this process directly."""
+    saved = cpu_matmul._choice
+    cpu_matmul._choice = request.param
+    yield request.param
+    cpu_matmul._choice = saved
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, backend):
     """Run dist_worker.py as ranks 0 and 1; returns (their result dicts, output dir)."""
     out = tmp_path_factory.mktemp("dist")
     _world_size_1_checkpoint(out / "ckpt_ws1")
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HYBRIDRL_CPU_MATMUL=backend)
     procs = []
     for rank in range(2):
         log = open(out / f"rank{rank}.log", "w")
@@ -57,7 +71,7 @@ def _world_size_1_checkpoint(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def single():
+def single(backend):
     """The same two steps at world size 1 on the whole batches."""
     batches = [make_batch(batch_size=12, seed=s) for s in (21, 22)]
     tokens = [int(b.batch["response_mask"].sum()) for b in batches]
@@ -66,6 +80,13 @@ def single():
     m1 = engine.train_step(batches[0], pg_loss_fn(tokens[0]))
     m2 = engine.train_step(batches[1], pg_loss_fn(tokens[1]))
     return {"fwd": fwd, "m1": m1, "m2": m2, "params": params_of(engine.model), "batch": batches[0]}
+
+
+def test_ranks_run_the_chosen_matmul_backend(two_ranks, backend):
+    ranks, _ = two_ranks
+    for res in ranks:
+        assert res["matmul_backend"] == backend
+        assert (res["onednn_linears"] > 0) == (backend == "onednn")
 
 
 def test_forward_log_probs_match_world_size_1(two_ranks, single):
