@@ -341,10 +341,7 @@ class CompactDecoder:
             if self.packing != "dense":
                 self._repack("dense", limit, self.kernels.pack_weight)
             return rows
-        if onednn:
-            # oneDNN's plain product outruns MKL's packed one where it was chosen (about 2x on AMD)
-            if self.packing == "mkl":
-                self._drop_packed()
+        if onednn:  # oneDNN's plain product outruns MKL's packed one where it was chosen (about 2x on AMD)
             return 0
         if self.packing != "mkl" or rows > self.packed_rows or 2 * rows <= self.packed_rows:
             self._repack("mkl", rows, lambda weight: _pack(weight, rows))
@@ -382,8 +379,7 @@ class CompactDecoder:
         if rows:  # packed: the (b, V) product comes out directly
             kernels = self.kernels if self.packing == "dense" else None
             return _dense(normed, head.weight, head.bias, True, self.packed_head, rows, kernels)
-        if normed.device.type == "cpu" and head.weight.dtype == torch.float32 == normed.dtype \
-                and cpu_matmul.backend() == "onednn":
+        if cpu_matmul.uses_onednn(normed, head.weight, head.bias):
             return cpu_matmul.linear(normed, head.weight, head.bias)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears"]
+__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears", "uses_onednn"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto picks oneDNN when it is at least this much faster than MKL
@@ -106,9 +106,15 @@ def _applies(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
 
+def uses_onednn(*tensors: torch.Tensor | None) -> bool:
+    """Whether a product of these operands runs through oneDNN: fp32 CPU tensors where ``backend()``
+    chose it (checked in that order, so other devices never time the CPU backends)."""
+    return _applies(*tensors) and backend() == "onednn"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for inference: through oneDNN where ``backend()`` chose it."""
-    if not _applies(x, weight, bias) or backend() != "onednn":
+    """``F.linear(x, weight, bias)`` for inference: through oneDNN where ``uses_onednn``."""
+    if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     return _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
