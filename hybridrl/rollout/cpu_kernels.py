@@ -4,10 +4,8 @@
 and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, one
 for token selection (sampling or greedy, with the token's log-prob) that replaces about ten, and the
 decode matmuls (`CpuKernels.dense`, AVX-512 builds only) on weights packed once per weight update. They
-are compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``), the way
-inductor compiles its CPU kernels, into ``$HYBRIDRL_KERNEL_CACHE`` (default
-``~/.cache/hybridrl/kernels``) under a name that hashes the source, the flags, the compiler and the CPU, and
-loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
+are compiled once per machine by ``hybridrl.utils.native_build`` (the C compiler on the PATH, into
+``$HYBRIDRL_KERNEL_CACHE``) and loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
 is logged once) and the decoder keeps its torch ops. ``HYBRIDRL_CPU_KERNELS=0`` turns them off.
 """
 
@@ -15,26 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from hybridrl.utils import native_build
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# -ffast-math lets the compiler vectorise the sums and call the vector expf; contraction into fused
-# multiply-adds and reciprocal tricks are turned back off so products and divisions round as torch's do.
-FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fno-reciprocal-math", "-fopenmp", "-shared", "-fPIC"]
-NATIVE_FLAGS = ["-march=native"]
-LIBS = ["-lm"]
-VECTOR_MATH = ["-lmvec"]  # glibc's vector math (expf for 16 lanes); absent on other C libraries
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -139,61 +128,9 @@ class CpuKernels:
         return tokens, values
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("HYBRIDRL_KERNEL_CACHE") or Path.home() / ".cache" / "hybridrl" / "kernels")
-
-
-def _cpu_id() -> str:
-    """The CPU model and instruction-set flags: a library built with -march=native on one machine may
-    not run on another sharing the same home directory (an NFS home on a cluster)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(dict.fromkeys(wanted))  # the first core's lines (all cores repeat them)
-
-
-def _compiler_id(cc: str) -> str:
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
-    return out.stdout.splitlines()[0] if out.stdout else cc
-
-
-def _build(cc: str, flags: list[str], libs: list[str], target: Path) -> None:
-    """Compile into a temporary sibling and rename into place (parallel builders never see half a file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *flags, str(SOURCE), *libs, "-o", tmp], capture_output=True, text=True, timeout=300)
-        if result.returncode:
-            raise RuntimeError(f"{cc} {' '.join(flags)} {SOURCE} {' '.join(libs)} failed:\n{result.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def build_and_load() -> CpuKernels:
     """Compile (or reuse) and load the kernels; raises with the compiler's message when that fails."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r} on PATH)")
-    source = SOURCE.read_bytes()
-    compiler, cpu = _compiler_id(cc), _cpu_id()
-    errors = []
-    # the machine's own instruction set first; then portable code; glibc's vector expf where present
-    for flags, libs in ((FLAGS + NATIVE_FLAGS, VECTOR_MATH + LIBS), (FLAGS + NATIVE_FLAGS, LIBS), (FLAGS, LIBS)):
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags + libs).encode(), compiler.encode(),
-                                         platform.machine().encode(), cpu.encode()])).hexdigest()[:20]
-        target = _cache_dir() / f"cpu_kernels_{key}.so"
-        try:
-            if not target.is_file():
-                _build(cc, flags, libs, target)
-            return CpuKernels(ctypes.CDLL(str(target)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-    raise RuntimeError("could not build the CPU decode kernels:\n" + "\n".join(errors))
+    return CpuKernels(native_build.build_library(SOURCE, "the CPU decode kernels"))
 
 
 @functools.cache

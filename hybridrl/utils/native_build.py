@@ -1,0 +1,86 @@
+"""Build and load hybridrl's C kernels on first use, the way inductor compiles its CPU kernels.
+
+A source file is compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``)
+into ``$HYBRIDRL_KERNEL_CACHE`` (default ``~/.cache/hybridrl/kernels``), under a name that hashes
+the source, the flags, the compiler and the CPU, and loaded with ctypes. The machine's own
+instruction set is tried first (``-march=native``), then portable code. Used by the rollout's decode
+kernels (``hybridrl.rollout.cpu_kernels``) and the trainer's attention (``hybridrl.engine.cpu_attention``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["FLAGS", "build_library", "cache_dir"]
+
+# -ffast-math lets the compiler vectorise the sums and call the vector expf; contraction into fused
+# multiply-adds and reciprocal tricks are turned back off so products and divisions round as torch's do.
+FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fno-reciprocal-math", "-fopenmp", "-shared", "-fPIC"]
+NATIVE_FLAGS = ["-march=native"]
+LIBS = ["-lm"]
+VECTOR_MATH = ["-lmvec"]  # glibc's vector math (expf for 16 lanes); absent on other C libraries
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYBRIDRL_KERNEL_CACHE") or Path.home() / ".cache" / "hybridrl" / "kernels")
+
+
+def _cpu_id() -> str:
+    """The CPU model and instruction-set flags: a library built with -march=native on one machine may
+    not run on another sharing the same home directory (an NFS home on a cluster)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(dict.fromkeys(wanted))  # the first core's lines (all cores repeat them)
+
+
+def _compiler_id(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else cc
+
+
+def _build(cc: str, source: Path, flags: list[str], libs: list[str], target: Path) -> None:
+    """Compile into a temporary sibling and rename into place (parallel builders never see half a file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *flags, str(source), *libs, "-o", tmp], capture_output=True, text=True, timeout=300)
+        if result.returncode:
+            raise RuntimeError(f"{cc} {' '.join(flags)} {source} {' '.join(libs)} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_library(source: Path, what: str) -> ctypes.CDLL:
+    """Compile (or reuse) ``source`` and load it; raises RuntimeError with the compiler's messages,
+    naming ``what`` (e.g. "the CPU decode kernels"), when no variant builds and loads."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r} on PATH)")
+    code = Path(source).read_bytes()
+    compiler, cpu = _compiler_id(cc), _cpu_id()
+    errors = []
+    # the machine's own instruction set first; then portable code; glibc's vector expf where present
+    for flags, libs in ((FLAGS + NATIVE_FLAGS, VECTOR_MATH + LIBS), (FLAGS + NATIVE_FLAGS, LIBS), (FLAGS, LIBS)):
+        key = hashlib.sha256(b"\0".join([code, " ".join(flags + libs).encode(), compiler.encode(),
+                                         platform.machine().encode(), cpu.encode()])).hexdigest()[:20]
+        target = cache_dir() / f"{Path(source).stem}_{key}.so"
+        try:
+            if not target.is_file():
+                _build(cc, Path(source), flags, libs, target)
+            return ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    raise RuntimeError(f"could not build {what}:\n" + "\n".join(errors))
