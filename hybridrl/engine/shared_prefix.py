@@ -17,10 +17,11 @@ rounding (matmuls of other shapes); the work drops by ``(b - U) / b`` of the pro
 three quarters of them with 4 samples per prompt.
 
 The keys and values pass between the two calls through an attention function registered with
-transformers (``AttentionInterface``) that wraps its ``sdpa`` one; it is active only inside
+transformers (``AttentionInterface``) that wraps ``cpu_attention.hf_attention`` (hybridrl's CPU
+kernels where they apply, transformers' ``sdpa`` elsewhere); it is active only inside
 ``shared_prompt_logits`` and runs outside ``torch.compile`` (compiled transformer blocks break their
 graph around it), so the usual path is untouched. It applies to models whose attention is plain
-causal ``sdpa`` (Llama, Qwen2, Qwen3 without sliding windows) and not under activation
+causal ``sdpa`` or hybridrl's CPU attention (Llama, Qwen2, Qwen3 without sliding windows) and not under activation
 checkpointing, whose recomputation would run the response pass without its prompt.
 """
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from hybridrl.engine import cpu_attention
 
 __all__ = ["ATTENTION_NAME", "prompt_groups", "shareable", "shared_prompt_logits"]
 
@@ -51,10 +54,8 @@ _active: _Share | None = None
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention; inside ``shared_prompt_logits`` it keeps the prompt pass's keys
+    """``cpu_attention.hf_attention``; inside ``shared_prompt_logits`` it keeps the prompt pass's keys
     and values per layer, and puts each row's prompt keys and values before its own in the response pass."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     share = _active
     if share is not None:
         if not share.responding:
@@ -63,22 +64,9 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
             keys, values = share.cache[module.layer_idx]
             key = torch.cat([keys.index_select(0, share.index), key], dim=2)
             value = torch.cat([values.index_select(0, share.index), value], dim=2)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return cpu_attention.hf_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(_attention))
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # pass 1 gets sdpa's own mask
-    _registered = True
 
 
 def shareable(model: nn.Module) -> bool:
@@ -86,7 +74,7 @@ def shareable(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", cpu_attention.ATTENTION_NAME):
         return False
     if getattr(config, "use_sliding_window", False) or (config.model_type == "llama" and getattr(config, "sliding_window", None)):
         return False
@@ -128,7 +116,7 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``(b, P + R)`` as the rollout produced them:
     prompt left-padded to ``P``, response right-padded to ``R = response_length``."""
     global _active
-    _register()
+    cpu_attention.register(ATTENTION_NAME, _attention)  # pass 1 gets sdpa's own masks
     first, index = groups
     prompt_width = input_ids.shape[1] - response_length
     width, r_mb = int(prompt_lens.max()), int(response_lens.max())

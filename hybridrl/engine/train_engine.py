@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.engine import checkpoint as ckpt
+from hybridrl.engine import cpu_attention
 from hybridrl.engine.compile import compile_blocks
 from hybridrl.engine.distributed import all_reduce_max, default_device
 from hybridrl.engine.fsdp import resolve_dtype, shard_model
@@ -104,6 +105,8 @@ class TrainEngine:
         if self.device.type == "cpu" and self.param_dtype == torch.float32:
             # fp32 products through oneDNN where it beats MKL (AMD CPUs: about 2x; hybridrl.utils.cpu_matmul)
             use_onednn_linears(model)
+            # attention through hybridrl's AVX-512 kernels instead of torch's (hybridrl.engine.cpu_attention)
+            cpu_attention.use_for(model)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         if torch_compile:

@@ -1,0 +1,363 @@
+/* Attention for training on CPU in fp32: forward (saving each query's log-sum-exp) and backward.
+ *
+ * torch's CPU attention (scaled_dot_product_attention) runs its small per-head products through
+ * the BLAS sgemm, which on AMD processors is MKL's AVX2 code at about half of what the machine can
+ * do, and with an explicit mask it visits every key of every query. Here the products are
+ * register-blocked AVX-512 loops over 8 queries at a time, and each block of queries visits only
+ * the keys between the first and the last one its mask allows (causal attention skips the upper
+ * triangle, left padding its columns). Built at run time by hybridrl/engine/cpu_attention.py (see
+ * hybridrl/utils/native_build.py); without AVX-512, hr_attention_supported() is 0 and torch's
+ * attention is used.
+ *
+ * Shapes (float32; strides in elements, the last dimension always contiguous):
+ *   q            (B, H, T, D)     strides qsb, qsh, qst
+ *   k, v         (B, KVH, S, D)   strides ksb, ksh, kst (k and v alike)
+ *   mask         (B, T, S) bytes  strides msb (0: shared by all rows), mst; nonzero = may attend
+ *   out, dout    (B, T, H, D)     contiguous (the layout the output projection reads)
+ *   lse          (B, H, T)        contiguous: log sum_j exp(scale q.k_j) over allowed keys
+ *   dq           (B, H, T, D)     contiguous; dk, dv (B, KVH, S, D) contiguous
+ * Query head h reads key/value head h / (H / KVH). A query that may attend to no key gets a zero
+ * output and zero gradients. D must be a multiple of 16 and at most 256.
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define RB 8  /* queries per block */
+#define NEG -3.0e38f
+
+int hr_attention_supported(void) { return 1; }
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t qsb, qsh, qst, ksb, ksh, kst;
+    const uint8_t *mask;
+    int64_t msb, mst;
+    int64_t B, H, KVH, T, S, D;
+    float scale;
+    float *out, *lse;                /* forward: written; backward: read */
+    const float *dout;               /* backward only */
+    float *dq, *dk, *dv;             /* backward only */
+} hr_att;
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Row length of the transposed keys and score buffers: whole 32-key steps plus 16, so that rows are an
+ * odd number of cache lines apart (a power-of-two stride put all of a step's rows in two L1 sets). */
+static int64_t padded(int64_t S) { return round_up(S, 32) + 16; }
+
+/* kt (D, Sp) = transpose of rows [0, S) of x (S, D) with row stride xs; zero past S */
+static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
+    for (int64_t j = 0; j < S; j++) {
+        const float *row = x + j * xs;
+        for (int64_t c = 0; c < D; c++) kt[c * Sp + j] = row[c];
+    }
+    for (int64_t c = 0; c < D; c++)
+        for (int64_t j = S; j < Sp; j++) kt[c * Sp + j] = 0.f;
+}
+
+/* s[r][j] = rows[r] . kt[:, j] for j in [j0, j1) (j0, j1 multiples of 16, j1 <= Sp); s rows Sp apart */
+static void row_dots(const float *const *rows, const float *kt, int64_t Sp, int64_t D, int64_t j0, int64_t j1,
+                     float *s) {
+    int64_t j = j0;
+    for (; j + 32 <= j1; j += 32) {
+        __m512 a[RB][2];
+        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c++) {
+            __m512 k0 = _mm512_loadu_ps(kt + c * Sp + j), k1 = _mm512_loadu_ps(kt + c * Sp + j + 16);
+            for (int r = 0; r < RB; r++) {
+                __m512 b = _mm512_set1_ps(rows[r][c]);
+                a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm512_storeu_ps(s + r * Sp + j, a[r][0]);
+            _mm512_storeu_ps(s + r * Sp + j + 16, a[r][1]);
+        }
+    }
+    for (; j < j1; j += 16) {
+        __m512 a[RB];
+        for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c++) {
+            __m512 k0 = _mm512_loadu_ps(kt + c * Sp + j);
+            for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r][c]), k0, a[r]);
+        }
+        for (int r = 0; r < RB; r++) _mm512_storeu_ps(s + r * Sp + j, a[r]);
+    }
+}
+
+/* out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for D columns, x rows xs apart; out rows `os` apart;
+ * w rows Sp apart. Columns in pairs of 16-float vectors (16 accumulators), a single one at the end. */
+static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs, int64_t D, int64_t j0, int64_t j1,
+                          float *const *out) {
+    int64_t c = 0;
+    for (; c + 32 <= D; c += 32) {
+        __m512 a[RB][2];
+        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; j++) {
+            const float *xr = x + j * xs + c;
+            __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+            for (int r = 0; r < RB; r++) {
+                __m512 b = _mm512_set1_ps(w[r * Sp + j]);
+                a[r][0] = _mm512_fmadd_ps(b, x0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(b, x1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm512_storeu_ps(out[r] + c, a[r][0]);
+            _mm512_storeu_ps(out[r] + c + 16, a[r][1]);
+        }
+    }
+    for (; c < D; c += 16) {
+        __m512 a[RB];
+        for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; j++) {
+            __m512 x0 = _mm512_loadu_ps(x + j * xs + c);
+            for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * Sp + j]), x0, a[r]);
+        }
+        for (int r = 0; r < RB; r++) _mm512_storeu_ps(out[r] + c, a[r]);
+    }
+}
+
+/* acc[j][:] += sum_r w[r][j] * rows[r][:] for j in [j0, j1), acc (S, D) contiguous (rank-RB update) */
+static void add_outer(const float *w, int64_t Sp, const float *const *rows, int64_t D, int64_t j0, int64_t j1,
+                      float *acc) {
+    int64_t c = 0;
+    for (; c + 32 <= D; c += 32) {
+        __m512 x[RB][2];
+        for (int r = 0; r < RB; r++) x[r][0] = _mm512_loadu_ps(rows[r] + c), x[r][1] = _mm512_loadu_ps(rows[r] + c + 16);
+        for (int64_t j = j0; j < j1; j++) {
+            float *ar = acc + j * D + c;
+            __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
+            for (int r = 0; r < RB; r++) {
+                __m512 b = _mm512_set1_ps(w[r * Sp + j]);
+                a0 = _mm512_fmadd_ps(b, x[r][0], a0);
+                a1 = _mm512_fmadd_ps(b, x[r][1], a1);
+            }
+            _mm512_storeu_ps(ar, a0);
+            _mm512_storeu_ps(ar + 16, a1);
+        }
+    }
+    for (; c < D; c += 16) {
+        __m512 x[RB];
+        for (int r = 0; r < RB; r++) x[r] = _mm512_loadu_ps(rows[r] + c);
+        for (int64_t j = j0; j < j1; j++) {
+            float *ar = acc + j * D + c;
+            __m512 a0 = _mm512_loadu_ps(ar);
+            for (int r = 0; r < RB; r++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[r * Sp + j]), x[r], a0);
+            _mm512_storeu_ps(ar, a0);
+        }
+    }
+}
+
+/* Keys [*j0, *j1) that some of the block's rows may attend to, widened to multiples of 16 for the
+ * dot products (the mask is applied per key afterwards); 0 when no row may attend to any key. */
+static int key_range(const hr_att *a, int64_t b, int64_t t0, int64_t rows, int64_t Sp, int64_t *j0, int64_t *j1) {
+    int64_t lo = a->S, hi = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *m = a->mask + b * a->msb + (t0 + r) * a->mst;
+        int64_t first = 0, last = a->S;
+        while (first < a->S && !m[first]) first++;
+        while (last > first && !m[last - 1]) last--;
+        if (first < last) {
+            if (first < lo) lo = first;
+            if (last > hi) hi = last;
+        }
+    }
+    if (lo >= hi) return 0;
+    *j0 = lo / 16 * 16;
+    *j1 = round_up(hi, 16) < Sp ? round_up(hi, 16) : Sp;
+    return 1;
+}
+
+/* p[r][j] = exp(scale s[r][j] - lse) over allowed keys in [j0, j1), 0 elsewhere in that range and in
+ * rows past `rows`. With lse NULL the row's own log-sum-exp is computed and written to lse_out[r]
+ * (0 for a row with no allowed key) and p is normalised. */
+static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, float *p, int64_t Sp, int64_t j0,
+                         int64_t j1, const float *lse_in, float *lse_out) {
+    for (int64_t r = 0; r < RB; r++) {
+        float *pr = p + r * Sp;
+        if (r >= rows) {
+            memset(pr + j0, 0, (j1 - j0) * sizeof(float));
+            continue;
+        }
+        const uint8_t *m = a->mask + b * a->msb + (t0 + r) * a->mst;
+        int64_t end = j1 < a->S ? j1 : a->S;
+        for (int64_t j = j0; j < j1; j++) pr[j] = (j < end && m[j]) ? pr[j] * a->scale : NEG;
+        float mx = NEG;
+        for (int64_t j = j0; j < j1; j++) mx = pr[j] > mx ? pr[j] : mx;
+        if (mx == NEG) { /* no allowed key */
+            memset(pr + j0, 0, (j1 - j0) * sizeof(float));
+            if (lse_out) lse_out[r] = 0.f;
+            continue;
+        }
+        if (lse_in) {
+            float l = lse_in[r];
+            for (int64_t j = j0; j < j1; j++) pr[j] = pr[j] == NEG ? 0.f : expf(pr[j] - l);
+        } else {
+            float sum = 0.f;
+            for (int64_t j = j0; j < j1; j++) {
+                float e = pr[j] == NEG ? 0.f : expf(pr[j] - mx);
+                pr[j] = e;
+                sum += e;
+            }
+            float inv = 1.f / sum;
+            for (int64_t j = j0; j < j1; j++) pr[j] *= inv;
+            lse_out[r] = mx + logf(sum);
+        }
+    }
+}
+
+typedef struct {
+    float *kt, *vt, *p, *dp, *dk, *dv;
+} hr_scratch;
+
+static hr_scratch *scratch_new(int64_t Sp, int64_t S, int64_t D, int backward) {
+    hr_scratch *s = aligned_alloc(64, round_up(sizeof(hr_scratch), 64));
+    if (!s) return NULL;
+    int64_t floats = D * Sp + RB * Sp + (backward ? D * Sp + RB * Sp + 2 * S * D : 0);
+    float *buf = aligned_alloc(64, round_up(floats * sizeof(float), 64));
+    if (!buf) {
+        free(s);
+        return NULL;
+    }
+    s->kt = buf;
+    s->p = s->kt + D * Sp;
+    s->vt = backward ? s->p + RB * Sp : NULL;
+    s->dp = backward ? s->vt + D * Sp : NULL;
+    s->dk = backward ? s->dp + RB * Sp : NULL;
+    s->dv = backward ? s->dk + S * D : NULL;
+    return s;
+}
+
+static void scratch_free(hr_scratch *s) {
+    if (s) free(s->kt), free(s);
+}
+
+/* One (row, kv head): its query heads' outputs and log-sum-exps. */
+static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
+    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S;
+    const float *kb = a->k + b * a->ksb + kh * a->ksh, *vb = a->v + b * a->ksb + kh * a->ksh;
+    transpose_keys(kb, a->kst, S, Sp, D, sc->kt);
+    for (int64_t g = 0; g < G; g++) {
+        int64_t h = kh * G + g;
+        for (int64_t t0 = 0; t0 < T; t0 += RB) {
+            int64_t rows = T - t0 < RB ? T - t0 : RB, j0, j1;
+            const float *qr[RB];
+            float *orow[RB], discard[RB][256] __attribute__((aligned(64)));
+            for (int r = 0; r < RB; r++) {
+                int64_t t = r < rows ? t0 + r : t0 + rows - 1;
+                qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
+                orow[r] = r < rows ? a->out + ((b * T + t) * H + h) * D : discard[r];
+            }
+            float *lrow = a->lse + (b * H + h) * T + t0, lse_block[RB];
+            if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
+                for (int64_t r = 0; r < rows; r++) memset(orow[r], 0, D * sizeof(float)), lrow[r] = 0.f;
+                continue;
+            }
+            row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
+            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lse_block);
+            weighted_rows(sc->p, Sp, vb, a->kst, D, j0, j1 < S ? j1 : S, orow);
+            for (int64_t r = 0; r < rows; r++) lrow[r] = lse_block[r];
+        }
+    }
+}
+
+/* One (row, kv head): dq of its query heads, dk and dv of the kv head (summed over those heads). */
+static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
+    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S;
+    const float *kb = a->k + b * a->ksb + kh * a->ksh, *vb = a->v + b * a->ksb + kh * a->ksh;
+    transpose_keys(kb, a->kst, S, Sp, D, sc->kt);
+    transpose_keys(vb, a->kst, S, Sp, D, sc->vt);
+    memset(sc->dk, 0, S * D * sizeof(float));
+    memset(sc->dv, 0, S * D * sizeof(float));
+    for (int64_t g = 0; g < G; g++) {
+        int64_t h = kh * G + g;
+        for (int64_t t0 = 0; t0 < T; t0 += RB) {
+            int64_t rows = T - t0 < RB ? T - t0 : RB, j0, j1;
+            const float *qr[RB], *dor[RB];
+            float *dqr[RB], discard[RB][256] __attribute__((aligned(64))), delta[RB];
+            for (int r = 0; r < RB; r++) {
+                int64_t t = r < rows ? t0 + r : t0 + rows - 1;
+                qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
+                dor[r] = a->dout + ((b * T + t) * H + h) * D;
+                dqr[r] = r < rows ? a->dq + ((b * H + h) * T + t) * D : discard[r];
+                const float *orow = a->out + ((b * T + t) * H + h) * D;
+                float d = 0.f;
+                for (int64_t c = 0; c < D; c++) d += dor[r][c] * orow[c];
+                delta[r] = d;
+            }
+            if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
+                for (int64_t r = 0; r < rows; r++) memset(dqr[r], 0, D * sizeof(float));
+                continue;
+            }
+            int64_t jend = j1 < S ? j1 : S;
+            row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
+            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, a->lse + (b * H + h) * T + t0, NULL);
+            row_dots(dor, sc->vt, Sp, D, j0, j1, sc->dp); /* dP = dO V^T */
+            for (int r = 0; r < RB; r++) {                /* dS = P (dP - delta) scale */
+                float *pr = sc->p + r * Sp, *dr = sc->dp + r * Sp;
+                float dl = delta[r];
+                for (int64_t j = j0; j < j1; j++) dr[j] = pr[j] * (dr[j] - dl) * a->scale;
+            }
+            add_outer(sc->p, Sp, dor, D, j0, jend, sc->dv);       /* dV += P^T dO */
+            add_outer(sc->dp, Sp, qr, D, j0, jend, sc->dk);       /* dK += dS^T Q */
+            weighted_rows(sc->dp, Sp, kb, a->kst, D, j0, jend, dqr); /* dQ = dS K */
+        }
+    }
+    memcpy(a->dk + (b * a->KVH + kh) * S * D, sc->dk, S * D * sizeof(float));
+    memcpy(a->dv + (b * a->KVH + kh) * S * D, sc->dv, S * D * sizeof(float));
+}
+
+/* The (row, kv head) items over the threads, each thread with its own scratch; 0, or -1 when a
+ * thread's scratch memory could not be allocated. */
+static int run(const hr_att *a, int backward, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        hr_scratch *sc = scratch_new(padded(a->S), a->S, a->D, backward);
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < a->B * a->KVH; item++) {
+            if (!sc) continue;
+            if (backward)
+                backward_item(a, sc, item / a->KVH, item % a->KVH);
+            else
+                forward_item(a, sc, item / a->KVH, item % a->KVH);
+        }
+        scratch_free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
+int hr_attention_forward(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
+                         int64_t ksb, int64_t ksh, int64_t kst, const uint8_t *mask, int64_t msb, int64_t mst,
+                         float *out, float *lse, int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
+                         float scale, int nthreads) {
+    hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
+                out, lse, NULL, NULL, NULL, NULL};
+    return run(&a, 0, nthreads);
+}
+
+int hr_attention_backward(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
+                          int64_t ksb, int64_t ksh, int64_t kst, const uint8_t *mask, int64_t msb, int64_t mst,
+                          const float *out, const float *dout, const float *lse, float *dq, float *dk, float *dv,
+                          int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D, float scale,
+                          int nthreads) {
+    hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
+                (float *)out, (float *)lse, dout, dq, dk, dv};
+    return run(&a, 1, nthreads);
+}
+#else
+int hr_attention_supported(void) { return 0; }
+#endif

@@ -1,0 +1,134 @@
+"""hybridrl.engine.cpu_attention: the trainer's CPU attention kernels against torch's
+scaled_dot_product_attention, values and gradients, and where they hand over to it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.engine import cpu_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU attention kernels not built here (AVX-512)")
+
+
+def _reference(q, k, v, mask, scale):
+    """torch's attention, keys/values repeated per query head; (B, T, H, D) like the kernels."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _operands(b, h, kvh, t, s, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # the query as the model makes it: (B, T, H, D) in memory, viewed as (B, H, T, D)
+    q = torch.randn(b, t, h, d, generator=gen).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, kvh, s, d, generator=gen).requires_grad_()
+    v = torch.randn(b, kvh, s, d, generator=gen).requires_grad_()
+    return q, k, v, gen
+
+
+def _prefix_mask(b, t, p, gen):
+    """Shared prompts' response pass: each row's prompt keys (some padding), then its own causally."""
+    prompt = torch.rand(b, p, generator=gen) > 0.25
+    prompt[:, -1] = True
+    own = torch.ones(t, t, dtype=torch.bool).tril()
+    return torch.cat([prompt[:, None, None, :].expand(b, 1, t, p), own.expand(b, 1, t, t)], dim=3)
+
+
+def _check(q, k, v, mask, scale, rows=None):
+    out = cpu_attention.attention(q, k, v, mask, scale)
+    ref = _reference(q, k, v, mask, scale)
+    assert out.shape == ref.shape and out.is_contiguous()
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    if rows is not None:  # compare only rows that may attend somewhere
+        ref = ref * rows[:, :, None, None]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
+    assert float((out - ref).detach().abs().max()) < 2e-5
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) < 5e-5 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize(("b", "h", "kvh", "t"), [(2, 4, 2, 13), (1, 9, 3, 40), (3, 2, 2, 1)])
+def test_causal_matches_sdpa(b, h, kvh, t, d):
+    q, k, v, _ = _operands(b, h, kvh, t, t, d)
+    _check(q, k, v, None, d**-0.5)
+
+
+@pytest.mark.parametrize(("t", "p"), [(63, 14), (7, 50), (33, 1)])
+def test_shared_prompt_mask_matches_sdpa(t, p):
+    q, k, v, gen = _operands(4, 8, 4, t, p + t, 64, seed=t)
+    _check(q, k, v, _prefix_mask(4, t, p, gen), 0.125)
+
+
+def test_mask_shared_by_all_rows_and_gaps_in_the_middle():
+    q, k, v, gen = _operands(3, 4, 1, 21, 70, 32)
+    mask = torch.rand(1, 1, 21, 70, generator=gen) > 0.5  # (1, ...): one mask for every row
+    mask[..., 0] = True
+    _check(q, k, v, mask, 0.3)
+
+
+def test_a_query_with_no_key_gets_zeros_and_no_gradient():
+    q, k, v, _ = _operands(2, 4, 2, 12, 12, 32)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :5] = False  # left padding: row 0's first five queries may attend to nothing
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    out = cpu_attention.attention(q, k, v, mask, 0.2)
+    assert torch.equal(out[0, :5], torch.zeros(5, 4, 32))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.equal(q.grad[0, :, :5], torch.zeros(4, 5, 32))
+    rows = torch.ones(2, 12)
+    rows[0, :5] = 0
+    for t in (q, k, v):
+        t.grad = None
+    _check(q, k, v, mask, 0.2, rows=rows)
+
+
+def test_threads_give_the_same_numbers():
+    q, k, v, gen = _operands(4, 8, 4, 30, 44, 64)
+    mask = _prefix_mask(4, 30, 14, gen)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu_attention.attention(q, k, v, mask, 0.125)
+            results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)  # each (row, kv head) is one thread's work, in a fixed order
+
+
+def test_usable_and_hf_attention_hand_over_to_sdpa():
+    q, k, v, _ = _operands(2, 4, 2, 5, 5, 64)
+    assert cpu_attention.usable(q, k, v, None)
+    assert not cpu_attention.usable(q[..., :24], k[..., :24], v[..., :24], None)  # head size not a multiple of 16
+    assert not cpu_attention.usable(q.double(), k.double(), v.double(), None)
+    assert not cpu_attention.usable(q, k, v, torch.zeros(2, 1, 5, 5))  # a float (additive) mask
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal = 2, True
+
+    module = Attn()
+    mine, _ = cpu_attention.hf_attention(module, q, k, v, None, scaling=0.125)
+    # dropout is not in the kernels: transformers' sdpa runs (and with p=1 zeroes everything)
+    dropped, _ = cpu_attention.hf_attention(module, q, k, v, None, dropout=1.0, scaling=0.125)
+    assert torch.equal(dropped, torch.zeros_like(dropped))
+    assert float((mine - _reference(q, k, v, None, 0.125)).detach().abs().max()) < 2e-5
+
+
+def test_turned_off_by_environment():
+    code = "from hybridrl.engine import cpu_attention; print(cpu_attention.available())"
+    env = {**os.environ, "HYBRIDRL_CPU_ATTENTION": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
