@@ -21,7 +21,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     if b.numel() == 0:
         return
     scale = b.abs().max().clamp(min=1e-6)
-    assert float((a - b).abs().max() / scale) < 2e-5
+    assert float((a - b).detach().abs().max() / scale) < 2e-5
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -124,4 +124,6 @@ def test_train_engine_with_onednn_matches_mkl(monkeypatch):
         losses = [engine.train_step(data, lambda out, micro: (-out["log_probs"].mean(), {}))["loss"] for _ in range(2)]
         results[choice] = (losses, torch.cat([p.detach().flatten() for p in engine.model.parameters()]))
     assert results["onednn"][0] == pytest.approx(results["mkl"][0], rel=1e-5)
-    _close(results["onednn"][1], results["mkl"][1])
+    # AdamW's first steps move each weight by about lr * sign(gradient): where a gradient is near
+    # zero, its rounding (another summation order) shows at the scale of lr, not of the weight
+    assert float((results["onednn"][1] - results["mkl"][1]).abs().max()) < 0.05 * 1e-3

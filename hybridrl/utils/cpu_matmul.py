@@ -14,7 +14,8 @@ pass. Where MKL runs its AVX-512 code, ``auto`` keeps it unless oneDNN is clearl
 - ``use_onednn_linears(model)`` turns a model's fp32 CPU ``nn.Linear`` modules into
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward and
   backward (input and weight gradients) run as oneDNN products through the custom op
-  ``hybridrl::linear``, opaque to ``torch.compile``; the training engine applies it;
+  ``hybridrl::linear_v<N>`` (weight gradients through ``hybridrl::linear_weight_grad_v<N>``), opaque
+  to ``torch.compile``; the training engine applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
 
@@ -120,7 +121,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ------------------------------------------------------------------------- trainable linear
-@torch.library.custom_op("hybridrl::linear", mutates_args=())
+# Part of the ops' names. AOTAutograd's on-disk cache keys a compiled graph by the ops it calls, not
+# by their autograd code: a graph compiled before a change to ``_backward`` would keep the old
+# backward. Bump this when the ops or their backward change, so that graphs are compiled anew.
+OP_VERSION = 2
+
+
+@torch.library.custom_op(f"hybridrl::linear_v{OP_VERSION}", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
     # a tensor of its own over the same memory, not a view: FSDP2 warns about (and autograd treats
@@ -131,6 +138,25 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @_linear_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op(f"hybridrl::linear_weight_grad_v{OP_VERSION}", mutates_args=())
+def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad^T x, grad summed over rows, or an empty tensor without ``with_bias``) for grad (m, out),
+    x (m, in): oneDNN's weight-gradient primitive, which reads both operands as they are; the same
+    product as an inner product needs one of them transposed in memory first, and torch's transposing
+    copy of a (4032, 1536) gradient took 30-47 ms in a 25M update (the product itself 30)."""
+    if grad.shape[0] == 0:
+        return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
+    grad_w, grad_b = torch.ops.aten.mkldnn_linear_backward_weights(
+        grad.contiguous().to_mkldnn(), x.contiguous().to_mkldnn(), weight, with_bias)
+    return grad_w, grad_b if with_bias else grad.new_empty(0)
+
+
+@_weight_grad_op.register_fake
+def _(grad, x, weight, with_bias):
+    return grad.new_empty(weight.shape), grad.new_empty(weight.shape[0] if with_bias else 0)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -146,9 +172,11 @@ def _backward(ctx, grad):
     # the products through the op itself, so that a compiled graph keeps them opaque as well
     if ctx.needs_input_grad[0]:  # (m, out) @ (out, in): the weight's transpose as oneDNN's (out', in')
         grad_x = _linear_op(grad2, weight.t(), None).view(x.shape)
-    if ctx.needs_input_grad[1]:  # (out, m) @ (m, in)
-        grad_w = _linear_op(grad2.t(), _rows(x).t(), None)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
+    with_bias = ctx.has_bias and ctx.needs_input_grad[2]
+    if ctx.needs_input_grad[1]:  # (out, m) @ (m, in), and the bias's sum over m in the same pass
+        grad_w, grad_b = _weight_grad_op(grad2, _rows(x), weight, with_bias)
+        grad_b = grad_b if with_bias else None
+    elif with_bias:
         grad_b = grad2.sum(0)
     return grad_x, grad_w, grad_b
 
