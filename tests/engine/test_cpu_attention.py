@@ -132,3 +132,39 @@ def test_turned_off_by_environment():
     env = {**os.environ, "HYBRIDRL_CPU_ATTENTION": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_train_engine_attends_through_the_kernels_with_sdpa_numbers(monkeypatch, share_prompts):
+    """Two engines on the same tiny model and batch (a left-padded prompt, 4 rows sharing each
+    prompt): one attending through the kernels, one through sdpa; same losses and gradient norms to
+    float rounding, with and without shared prompts."""
+    from hybridrl.engine import TrainEngine
+    from hybridrl.models import build_tiny_model
+    from hybridrl.protocol import DataProto
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 1000, (2, 9), generator=gen).repeat_interleave(4, 0)
+    mask = torch.ones(8, 21, dtype=torch.long)
+    mask[:4, :3] = 0  # the first prompt is 6 tokens, left-padded
+    ids = torch.cat([prompts, torch.randint(3, 1000, (8, 12), generator=gen)], dim=1) * mask
+    data = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                                        "responses": ids[:, 9:].clone()})
+    calls = []
+    kernel = cpu_attention._Attention.apply
+    monkeypatch.setattr(cpu_attention._Attention, "apply", lambda *a: calls.append(1) or kernel(*a))
+    results = {}
+    for kernels in (True, False):
+        if not kernels:  # as on a machine without them: sdpa everywhere, shared prompts included
+            monkeypatch.setattr(cpu_attention, "_library", lambda: None)
+        torch.manual_seed(0)
+        engine = TrainEngine(build_tiny_model("tiny"), lr=1e-3, share_prompts=share_prompts)
+        switched = engine.model.config._attn_implementation == cpu_attention.ATTENTION_NAME
+        assert switched == kernels
+        before = len(calls)
+        metrics = [engine.train_step(data, lambda out, micro: (-out["log_probs"].mean(), {})) for _ in range(2)]
+        assert (len(calls) > before) == kernels
+        results[kernels] = [(m["loss"], m["grad_norm"]) for m in metrics]
+    for (loss, norm), (ref_loss, ref_norm) in zip(results[True], results[False]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
