@@ -85,7 +85,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_bytes(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor:
-    """(B' , T, S) uint8 with a unit last stride (B' = 1 for a shared mask); causal when None."""
+    """(B', T, S) uint8 with a unit last stride (B' = 1 for a shared mask); causal when None."""
     if mask is None:
         return torch.ones(t, s, dtype=torch.bool).tril()[None].view(torch.uint8)
     mask = mask[:, 0]

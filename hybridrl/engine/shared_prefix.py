@@ -67,8 +67,6 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     return cpu_attention.hf_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-
-
 def shareable(model: nn.Module) -> bool:
     """Whether ``model``'s attention admits the two-pass forward (see the module docstring)."""
     config = getattr(model, "config", None)
