@@ -84,10 +84,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@functools.lru_cache(maxsize=8)
+def _shared_mask(t: int, s: int, causal: bool) -> torch.Tensor:
+    """(1, T, S) uint8 shared by all rows: causal, or all ones. Made once per shape, not per layer."""
+    mask = torch.ones(t, s, dtype=torch.uint8)
+    return (mask.tril() if causal else mask)[None]
+
+
 def _mask_bytes(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor:
     """(B', T, S) uint8 with a unit last stride (B' = 1 for a shared mask); causal when None."""
     if mask is None:
-        return torch.ones(t, s, dtype=torch.bool).tril()[None].view(torch.uint8)
+        return _shared_mask(t, s, True)
     mask = mask[:, 0]
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
@@ -97,6 +104,11 @@ def _mask_bytes(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor:
 def _pointers(q, k, v, mask):
     return [q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(), k.stride(0),
             k.stride(1), k.stride(2), mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)]
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise MemoryError("hybridrl CPU attention: could not allocate its scratch memory")
 
 
 class _Attention(torch.autograd.Function):
@@ -109,10 +121,8 @@ class _Attention(torch.autograd.Function):
         kvh, s = k.shape[1], k.shape[2]
         out = torch.empty(b, t, h, d)
         lse = torch.empty(b, h, t)
-        rc = _library().hr_attention_forward(*_pointers(q, k, v, mask), out.data_ptr(), lse.data_ptr(), b, h, kvh, t,
-                                             s, d, scale, torch.get_num_threads())
-        if rc:
-            raise MemoryError("hybridrl CPU attention: could not allocate its scratch memory")
+        _check(_library().hr_attention_forward(*_pointers(q, k, v, mask), out.data_ptr(), lse.data_ptr(), b, h, kvh,
+                                               t, s, d, scale, torch.get_num_threads()))
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.scale = scale
         return out
@@ -124,11 +134,9 @@ class _Attention(torch.autograd.Function):
         kvh, s = k.shape[1], k.shape[2]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.empty(b, h, t, d), torch.empty(b, kvh, s, d), torch.empty(b, kvh, s, d)
-        rc = _library().hr_attention_backward(*_pointers(q, k, v, mask), out.data_ptr(), grad_out.data_ptr(),
-                                              lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, kvh,
-                                              t, s, d, ctx.scale, torch.get_num_threads())
-        if rc:
-            raise MemoryError("hybridrl CPU attention: could not allocate its scratch memory")
+        _check(_library().hr_attention_backward(*_pointers(q, k, v, mask), out.data_ptr(), grad_out.data_ptr(),
+                                                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h,
+                                                kvh, t, s, d, ctx.scale, torch.get_num_threads()))
         return dq, dk, dv, None, None
 
 
@@ -152,12 +160,14 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     if not plain or not usable(query, key, value, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    t, s = query.shape[2], key.shape[2]
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if not causal or query.shape[2] == 1:
-            attention_mask = torch.ones(1, 1, query.shape[2], key.shape[2], dtype=torch.bool)
+        mask = _shared_mask(t, s, causal and t > 1)
+    else:
+        mask = _mask_bytes(attention_mask, t, s)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return attention(query, key, value, attention_mask, scale), None
+    return _Attention.apply(query, key, value, mask, float(scale)), None
 
 
 ATTENTION_NAME = "hybridrl_cpu"  # the transformers attention implementation ``use_for`` sets

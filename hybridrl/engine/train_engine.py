@@ -394,8 +394,8 @@ def _token_stats(
     targets = _column_targets(responses, packed, first_col, logits.shape[1])
     per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets)}
     if calculate_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        per_col["entropy"] = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+        # softmax kernels here too (see _NextTokenLogProb): -sum(p log p) = logsumexp - sum(p z)
+        per_col["entropy"] = -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
     out = {}
     for key, value in per_col.items():
         aligned, valid = gather_response(value, packed, first_col)
