@@ -5,7 +5,11 @@
  * do, and with an explicit mask it visits every key of every query. Here the products are
  * register-blocked AVX-512 loops over 8 queries at a time, and each block of queries visits only
  * the keys between the first and the last one its mask allows (causal attention skips the upper
- * triangle, left padding its columns). Built at run time by hybridrl/engine/cpu_attention.py (see
+ * triangle, left padding its columns). At the short sequences of RL training (tens of keys) the
+ * work around the products weighs as much as they do, so it is vectorised too: each mask row's key
+ * range is found once per call, the softmax reads 16 mask bytes per step and computes its own exp,
+ * keys are transposed 16 x 16 in registers, and the backward's per-query dot(dO, O) is one pass
+ * over both tensors before the blocks. Built at run time by hybridrl/engine/cpu_attention.py (see
  * hybridrl/utils/native_build.py); without AVX-512, hr_attention_supported() is 0 and torch's
  * attention is used.
  *
@@ -44,6 +48,8 @@ typedef struct {
     float *out, *lse;                /* forward: written; backward: read */
     const float *dout;               /* backward only */
     float *dq, *dk, *dv;             /* backward only */
+    int32_t *range;                  /* (B' or 1, T, 2): first and one-past-last allowed key of a mask row */
+    float *delta;                    /* backward: (B, T, H) sum_c dout * out of each query */
 } hr_att;
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -52,14 +58,44 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
  * odd number of cache lines apart (a power-of-two stride put all of a step's rows in two L1 sets). */
 static int64_t padded(int64_t S) { return round_up(S, 32) + 16; }
 
-/* kt (D, Sp) = transpose of rows [0, S) of x (S, D) with row stride xs; zero past S */
-static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
-    for (int64_t j = 0; j < S; j++) {
-        const float *row = x + j * xs;
-        for (int64_t c = 0; c < D; c++) kt[c * Sp + j] = row[c];
+/* 16 x 16 transpose in registers: r[i] holds row i on entry, column i on return. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     }
-    for (int64_t c = 0; c < D; c++)
-        for (int64_t j = S; j < Sp; j++) kt[c * Sp + j] = 0.f;
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* kt (D, Sp) = transpose of rows [0, S) of x (S, D) with row stride xs; zero past S. In 16 x 16
+ * blocks through registers (element by element, the strided stores took a sixth of the forward). */
+static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
+    int64_t S16 = round_up(S, 16);
+    for (int64_t j0 = 0; j0 < S16; j0 += 16)
+        for (int64_t c0 = 0; c0 < D; c0 += 16) {
+            __m512 r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = j0 + i < S ? _mm512_loadu_ps(x + (j0 + i) * xs + c0) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c0 + i) * Sp + j0, r[i]);
+        }
+    for (int64_t c = 0; c < D; c++) memset(kt + c * Sp + S16, 0, (Sp - S16) * sizeof(float));
 }
 
 /* s[r][j] = rows[r] . kt[:, j] for j in [j0, j1) (j0, j1 multiples of 16, j1 <= Sp); s rows Sp apart */
@@ -157,18 +193,55 @@ static void add_outer(const float *w, int64_t Sp, const float *const *rows, int6
     }
 }
 
+/* first / one-past-last allowed key of mask row `row` (of B' x T rows), or first >= last when none */
+static void scan_row(const uint8_t *m, int64_t S, int32_t *out) {
+    int64_t first = 0, last = S;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    while (first < S) { /* 16 mask bytes at a time: the bits of the nonzero ones */
+        __mmask16 in = first + 16 <= S ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - first)) - 1);
+        __m128i v = _mm_maskz_loadu_epi8(in, m + first);
+        unsigned bits = _mm_test_epi8_mask(v, v);
+        if (bits) {
+            first += __builtin_ctz(bits);
+            break;
+        }
+        first += 16;
+    }
+    if (first > S) first = S;
+    while (last > first) {
+        int64_t lo = last - 16 > first ? last - 16 : first;
+        __mmask16 in = (__mmask16)((1u << (last - lo)) - 1);
+        __m128i v = _mm_maskz_loadu_epi8(in, m + lo);
+        unsigned bits = _mm_test_epi8_mask(v, v);
+        if (bits) {
+            last = lo + 32 - __builtin_clz(bits);
+            break;
+        }
+        last = lo;
+    }
+#else
+    while (first < S && !m[first]) first++;
+    while (last > first && !m[last - 1]) last--;
+#endif
+    out[0] = (int32_t)first, out[1] = (int32_t)last;
+}
+
+/* The allowed key range of every mask row, once per call (the blocks of every head read it). */
+static void scan_mask(hr_att *a, int nthreads) {
+    int64_t rows = (a->msb ? a->B : 1) * a->T;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) scan_row(a->mask + (i / a->T) * a->msb + (i % a->T) * a->mst, a->S, a->range + 2 * i);
+}
+
 /* Keys [*j0, *j1) that some of the block's rows may attend to, widened to multiples of 16 for the
  * dot products (the mask is applied per key afterwards); 0 when no row may attend to any key. */
 static int key_range(const hr_att *a, int64_t b, int64_t t0, int64_t rows, int64_t Sp, int64_t *j0, int64_t *j1) {
     int64_t lo = a->S, hi = 0;
+    const int32_t *rg = a->range + 2 * ((a->msb ? b : 0) * a->T + t0);
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *m = a->mask + b * a->msb + (t0 + r) * a->mst;
-        int64_t first = 0, last = a->S;
-        while (first < a->S && !m[first]) first++;
-        while (last > first && !m[last - 1]) last--;
-        if (first < last) {
-            if (first < lo) lo = first;
-            if (last > hi) hi = last;
+        if (rg[2 * r] < rg[2 * r + 1]) {
+            if (rg[2 * r] < lo) lo = rg[2 * r];
+            if (rg[2 * r + 1] > hi) hi = rg[2 * r + 1];
         }
     }
     if (lo >= hi) return 0;
@@ -177,11 +250,45 @@ static int key_range(const hr_att *a, int64_t b, int64_t t0, int64_t rows, int64
     return 1;
 }
 
+/* exp(x) for x in [-87.3, 88.7] (smaller gives 0) to about 1 ulp: 2^n times a degree-7 polynomial of
+ * the remainder (Cephes' expf). The compiler's vectorised expf was a separate call per 16 values. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
+    __m512 y = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+    q = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_scalef_ps(q, n));
+}
+
+/* Lanes of keys [j, j + 16) that mask row m allows (none at or past S). */
+static inline __mmask16 allowed16(const uint8_t *m, int64_t j, int64_t S) {
+    if (j >= S) return 0;
+    __mmask16 in = j + 16 <= S ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m128i v = _mm_maskz_loadu_epi8(in, m + j);
+    return _mm_test_epi8_mask(v, v);
+#else
+    unsigned bits = 0;
+    for (int i = 0; i < 16; i++) bits |= (unsigned)((in >> i) & 1 && m[j + i] != 0) << i;
+    return (__mmask16)bits;
+#endif
+}
+
 /* p[r][j] = exp(scale s[r][j] - lse) over allowed keys in [j0, j1), 0 elsewhere in that range and in
  * rows past `rows`. With lse NULL the row's own log-sum-exp is computed and written to lse_out[r]
- * (0 for a row with no allowed key) and p is normalised. */
+ * (0 for a row with no allowed key) and p is normalised. j0 and j1 are multiples of 16. */
 static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, float *p, int64_t Sp, int64_t j0,
                          int64_t j1, const float *lse_in, float *lse_out) {
+    const __m512 scale = _mm512_set1_ps(a->scale), neg = _mm512_set1_ps(NEG);
     for (int64_t r = 0; r < RB; r++) {
         float *pr = p + r * Sp;
         if (r >= rows) {
@@ -189,29 +296,38 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
             continue;
         }
         const uint8_t *m = a->mask + b * a->msb + (t0 + r) * a->mst;
-        int64_t end = j1 < a->S ? j1 : a->S;
-        for (int64_t j = j0; j < j1; j++) pr[j] = (j < end && m[j]) ? pr[j] * a->scale : NEG;
-        float mx = NEG;
-        for (int64_t j = j0; j < j1; j++) mx = pr[j] > mx ? pr[j] : mx;
-        if (mx == NEG) { /* no allowed key */
-            memset(pr + j0, 0, (j1 - j0) * sizeof(float));
-            if (lse_out) lse_out[r] = 0.f;
+        if (lse_in) {
+            __m512 l = _mm512_set1_ps(lse_in[r]);
+            for (int64_t j = j0; j < j1; j += 16) {
+                __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pr + j), scale), l);
+                _mm512_storeu_ps(pr + j, _mm512_maskz_mov_ps(allowed16(m, j, a->S), exp512(x)));
+            }
             continue;
         }
-        if (lse_in) {
-            float l = lse_in[r];
-            for (int64_t j = j0; j < j1; j++) pr[j] = pr[j] == NEG ? 0.f : expf(pr[j] - l);
-        } else {
-            float sum = 0.f;
-            for (int64_t j = j0; j < j1; j++) {
-                float e = pr[j] == NEG ? 0.f : expf(pr[j] - mx);
-                pr[j] = e;
-                sum += e;
-            }
-            float inv = 1.f / sum;
-            for (int64_t j = j0; j < j1; j++) pr[j] *= inv;
-            lse_out[r] = mx + logf(sum);
+        __m512 top = neg;
+        for (int64_t j = j0; j < j1; j += 16) {
+            __mmask16 ok = allowed16(m, j, a->S);
+            __m512 x = _mm512_mask_mul_ps(neg, ok, _mm512_loadu_ps(pr + j), scale);
+            top = _mm512_max_ps(top, x);
+            _mm512_storeu_ps(pr + j, x);
         }
+        float mx = _mm512_reduce_max_ps(top);
+        if (mx == NEG) { /* no allowed key */
+            memset(pr + j0, 0, (j1 - j0) * sizeof(float));
+            lse_out[r] = 0.f;
+            continue;
+        }
+        __m512 vmx = _mm512_set1_ps(mx), total = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; j += 16) {
+            __m512 x = _mm512_loadu_ps(pr + j);
+            __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, vmx)));
+            total = _mm512_add_ps(total, e);
+            _mm512_storeu_ps(pr + j, e);
+        }
+        float sum = _mm512_reduce_add_ps(total);
+        __m512 inv = _mm512_set1_ps(1.f / sum);
+        for (int64_t j = j0; j < j1; j += 16) _mm512_storeu_ps(pr + j, _mm512_mul_ps(_mm512_loadu_ps(pr + j), inv));
+        lse_out[r] = mx + logf(sum);
     }
 }
 
@@ -289,10 +405,7 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
                 qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
                 dor[r] = a->dout + ((b * T + t) * H + h) * D;
                 dqr[r] = r < rows ? a->dq + ((b * H + h) * T + t) * D : discard[r];
-                const float *orow = a->out + ((b * T + t) * H + h) * D;
-                float d = 0.f;
-                for (int64_t c = 0; c < D; c++) d += dor[r][c] * orow[c];
-                delta[r] = d;
+                delta[r] = a->delta[(b * T + t) * H + h];
             }
             if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
                 for (int64_t r = 0; r < rows; r++) memset(dqr[r], 0, D * sizeof(float));
@@ -316,9 +429,31 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
     memcpy(a->dv + (b * a->KVH + kh) * S * D, sc->dv, S * D * sizeof(float));
 }
 
-/* The (row, kv head) items over the threads, each thread with its own scratch; 0, or -1 when a
- * thread's scratch memory could not be allocated. */
-static int run(const hr_att *a, int backward, int nthreads) {
+/* delta[i] = dout[i] . out[i] for every query (B T H rows of D), in one pass over both in memory
+ * order (read per block of queries, the rows of one head are H D floats apart and missed the cache). */
+static void row_deltas(hr_att *a, int nthreads) {
+    int64_t n = a->B * a->T * a->H, D = a->D;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = a->dout + i * D, *y = a->out + i * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(y));
+        for (int64_t c = 16; c < D; c += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(y + c)));
+        a->delta[i] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* The mask rows' key ranges (and the backward's deltas), then the (row, kv head) items over the
+ * threads, each thread with its own scratch; 0, or -1 when memory could not be allocated. */
+static int run(hr_att *a, int backward, int nthreads) {
+    int64_t mask_rows = (a->msb ? a->B : 1) * a->T;
+    a->range = malloc(mask_rows * 2 * sizeof(int32_t));
+    a->delta = backward ? malloc(a->B * a->T * a->H * sizeof(float)) : NULL;
+    if (!a->range || (backward && !a->delta)) {
+        free(a->range), free(a->delta);
+        return -1;
+    }
+    scan_mask(a, nthreads);
+    if (backward) row_deltas(a, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -337,6 +472,7 @@ static int run(const hr_att *a, int backward, int nthreads) {
         }
         scratch_free(sc);
     }
+    free(a->range), free(a->delta);
     return failed ? -1 : 0;
 }
 
@@ -345,7 +481,7 @@ int hr_attention_forward(const float *q, int64_t qsb, int64_t qsh, int64_t qst, 
                          float *out, float *lse, int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
                          float scale, int nthreads) {
     hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
-                out, lse, NULL, NULL, NULL, NULL};
+                out, lse, NULL, NULL, NULL, NULL, NULL, NULL};
     return run(&a, 0, nthreads);
 }
 
@@ -355,7 +491,7 @@ int hr_attention_backward(const float *q, int64_t qsb, int64_t qsh, int64_t qst,
                           int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D, float scale,
                           int nthreads) {
     hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
-                (float *)out, (float *)lse, dout, dq, dk, dv};
+                (float *)out, (float *)lse, dout, dq, dk, dv, NULL, NULL};
     return run(&a, 1, nthreads);
 }
 #else
