@@ -57,6 +57,39 @@ def test_each_prompt_is_computed_once():
     assert shared["needed_tokens"] == int(prompts + responses) < shared["computed_tokens"]
 
 
+def test_the_lm_head_runs_once_on_every_rows_positions_and_is_restored(monkeypatch):
+    """One head product per micro-batch (pass 2, each row's prompt position first), none in pass 1;
+    the head's own forward is back afterwards, also when the forward fails."""
+    model = build_model()
+    data = make_group_batch(prompts=3, group=4, seed=2)
+    engine = TrainEngine(model, lr=1e-3)
+    head, calls = model.get_output_embeddings(), []
+    product = type(head).forward  # the class's: what the head computes with
+
+    def counted(self, x):
+        out = product(self, x)
+        if self is head:
+            calls.append((tuple(x.shape), tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(type(head), "forward", counted)
+    out = engine.forward(data, temperature=0.7)
+    response_len = data.batch["responses"].shape[1]
+    rows, width = len(data), int(real_lengths(data.batch["attention_mask"], response_len)[1].max())
+    assert calls == [((rows, width, model.config.hidden_size), (rows, width, model.config.vocab_size))]
+    assert out.batch["log_probs"].shape == (rows, response_len)
+    assert "forward" not in vars(head)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("layer failed")
+
+    layer = model.model.layers[0]
+    layer.forward = fail
+    with pytest.raises(RuntimeError, match="layer failed"):
+        TrainEngine(model, lr=1e-3).forward(data)
+    assert "forward" not in vars(head) and shared_prefix._active is None
+
+
 def test_a_one_token_prompt_beside_longer_ones():
     # one group's prompt is a single token beside prompts of 12: its prompt-pass row is padding but for the last column
     data = make_group_batch(prompts=3, group=4, seed=1)
