@@ -30,7 +30,7 @@ from hybridrl.trainer.metrics import (
     compute_throughput_metrics,
     compute_timing_metrics,
 )
-from hybridrl.utils import numerics
+from hybridrl.utils import gc_freeze, numerics
 from hybridrl.utils.faults import maybe_inject
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
@@ -61,6 +61,7 @@ class Workers(Protocol):
     def sync_weights(self) -> None: ...
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
+    def freeze_gc(self) -> None: ...
 
 
 def old_log_probs_needed(config) -> bool:
@@ -110,16 +111,26 @@ class PPOTrainer:
         if self.val_loader is not None and trainer.val_before_train and self.global_step == 0:
             self.tracking.log(self.validate(), step=0)
         last: dict[str, float] = {}
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            last = self.train_step()
-            is_last = self.global_step == self.total_steps
-            if self.val_loader is not None and trainer.test_freq > 0 and (
-                    self.global_step % trainer.test_freq == 0 or is_last):
-                last.update(self.validate())
-            self.tracking.log(last, step=self.global_step)
-            if trainer.save_freq > 0 and (self.global_step % trainer.save_freq == 0 or is_last):
-                self.save_checkpoint()
+        steps_run = 0
+        try:
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                last = self.train_step()
+                steps_run += 1
+                if steps_run <= gc_freeze.WARMUP_STEPS:
+                    # long-lived objects (compiled graphs, modules) out of the collector's full
+                    # passes; between steps, outside their timing (hybridrl.utils.gc_freeze)
+                    self.workers.freeze_gc()
+                    gc_freeze.freeze_survivors()
+                is_last = self.global_step == self.total_steps
+                if self.val_loader is not None and trainer.test_freq > 0 and (
+                        self.global_step % trainer.test_freq == 0 or is_last):
+                    last.update(self.validate())
+                self.tracking.log(last, step=self.global_step)
+                if trainer.save_freq > 0 and (self.global_step % trainer.save_freq == 0 or is_last):
+                    self.save_checkpoint()
+        finally:
+            gc_freeze.release()  # this process's objects collectable again (a notebook's next run)
         return last
 
     def train_step(self) -> dict[str, float]:

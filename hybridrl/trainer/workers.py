@@ -75,6 +75,10 @@ class PPOWorkers:
     def export_hf(self, path: str) -> None:
         self.group.actor.export_hf(path)
 
+    def freeze_gc(self) -> None:
+        """Freeze the surviving objects of every worker process (``hybridrl.utils.gc_freeze``)."""
+        self.group.actor.freeze_gc()
+
     def shutdown(self) -> None:
         """Kill the worker processes and return the placement groups to Ray."""
         self.group.shutdown()

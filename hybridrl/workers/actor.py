@@ -16,6 +16,7 @@ from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.utils.gc_freeze import freeze_survivors
 from hybridrl.utils.numerics import poison, screen_update
 from hybridrl.workers.common import (
     LossAccumulator,
@@ -163,6 +164,12 @@ class ActorWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
         self.engine.export_hf(path, tokenizer=self._tokenizer())
+
+    @register(Dispatch.ONE_TO_ALL)
+    def freeze_gc(self) -> int:
+        """Freeze this worker process's surviving objects after warm-up (``hybridrl.utils.gc_freeze``;
+        every role of the process shares it); returns how many are frozen."""
+        return freeze_survivors()
 
     def _tokenizer(self):
         model = self.config.actor_rollout_ref.model
