@@ -26,6 +26,10 @@ from hybridrl.rollout.kv_cache import StaticKVCache
 from hybridrl.utils import cpu_matmul
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2")
+# Rotary types whose frequencies do not depend on the sequence length (transformers' "dynamic" and
+# "longrope" rescale them as the length grows): their cos / sin per position are tabulated once per
+# rollout for the fused decode step instead of recomputed every step.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Decode steps of up to this many rows run their matmuls through the fused kernels' `dense` (one pass
 # over the weights for all of them, reading overlapped with arithmetic); larger ones through MKL's
 # packed GEMM, which is as fast once the arithmetic outweighs the reading (25M shapes, one thread, a
@@ -218,6 +222,7 @@ class CompactDecoder:
         param = next(model.parameters())
         self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim, param.dtype)
         self.kernels = self._load_kernels(fused_kernels)
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, D) cos, signed sin
         # n > 1 samples per prompt with the fused kernels: one copy of each prompt's cache slots
         # (`StaticKVCache.share_prompts`); off, every sample gets its own copy (same numbers)
         self.share_prompts = True
@@ -277,6 +282,9 @@ class CompactDecoder:
         mask = (causal & key_ok[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=input_ids.device)
         hidden = self._forward(input_ids, position_ids, mask[:, None], start=0)
         self.cache.length = plen
+        self.rope_table = None
+        if self.kernels is not None and self.rope_tabulated:
+            self.rope_table = self._rope_table(int(position_ids.max()) + max_new_tokens + 1, hidden)
         if share:
             self.cache.share_prompts(repeats)
         else:
@@ -302,8 +310,11 @@ class CompactDecoder:
         hidden = model.embed_tokens(tokens)
         if width > n:
             hidden = F.pad(hidden, (0, 0, 0, width - n))
-        cos, sin = model.rotary_emb(hidden, positions[:, None])
-        cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
+        if self.rope_table is not None and int(positions.max()) < self.rope_table[0].shape[0]:
+            cos, sin = (table.index_select(0, positions) for table in self.rope_table)
+        else:
+            cos, sin = model.rotary_emb(hidden, positions[:, None])
+            cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
         normed = hidden.new_zeros(hidden.shape)
         attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
         act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
@@ -322,12 +333,28 @@ class CompactDecoder:
             kernels.add_rms_norm(hidden, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
         return self._head(normed, rows)[:n]
 
+    @property
+    def rope_tabulated(self) -> bool:
+        """Whether the model's rotary frequencies are fixed (``STATIC_ROPE_TYPES``), so that the cos /
+        sin of every position can be computed once per rollout."""
+        return getattr(self.model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE_TYPES
+
+    def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``(positions, D)`` of positions 0 .. positions - 1, from the model's own
+        rotary module: every value is computed element by element, so a row of the table equals what
+        the module gives for that position in any batch (a decode step used to call it, and ten small
+        ops around it, every step)."""
+        pos = torch.arange(positions, device=like.device)[None]
+        cos, sin = self.model.model.rotary_emb(like, pos)
+        return cos[0].contiguous(), _signed_sin(sin[0]).contiguous()
+
     def select(self, keep: torch.Tensor) -> None:
         self.cache.select(keep)
 
     def free(self) -> None:
         self.cache.free()
         self._drop_packed()
+        self.rope_table = None
 
     def _packed_rows_for(self, rows: int) -> int:
         """The matmuls' row count for a decode step of ``rows`` rows (packing first if needed): ``rows``

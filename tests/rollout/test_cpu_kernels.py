@@ -258,6 +258,31 @@ def test_fused_decode_logits_match_torch_ops_on_padded_prompts(tiny_model, kerne
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
+def test_rotary_table_rows_equal_the_models_rotary_module(tiny_model, kernels, monkeypatch):
+    """The fused step reads cos / sin from a per-rollout table: bit-identical to the module's own at
+    every position it decodes, and the module is not called per step (a dynamic rope type keeps it)."""
+    decoder = CompactDecoder(tiny_model, fused_kernels=True)
+    prompts = make_prompts(num=3, length=7, seed=4)
+    rotary = tiny_model.model.rotary_emb
+    with torch.inference_mode():
+        decoder.prefill(*prompts.values(), repeats=2, max_new_tokens=5)
+        cos_table, sin_table = decoder.rope_table
+        positions = torch.arange(cos_table.shape[0])
+        cos, sin = rotary(torch.zeros(1, 1, tiny_model.config.hidden_size), positions[None])
+        assert torch.equal(cos_table, cos[0]) and torch.equal(sin_table, _signed_sin(sin[0]))
+        assert cos_table.shape[0] > int(prompts["position_ids"].max()) + 4  # the last decoded position
+        calls = []
+        monkeypatch.setattr(rotary, "forward", lambda *args: calls.append(args) or pytest.fail("rotary per step"))
+        tokens = torch.zeros(6, dtype=torch.long)
+        decoder.decode(tokens, prompts["position_ids"][:, -1].repeat_interleave(2) + 1)
+        monkeypatch.undo()
+    monkeypatch.setattr(rotary, "rope_type", "dynamic", raising=False)
+    assert not decoder.rope_tabulated
+    with torch.inference_mode():
+        decoder.prefill(*prompts.values(), repeats=2, max_new_tokens=5)
+    assert decoder.rope_table is None
+
+
 def test_kernels_are_off_where_they_do_not_apply(tiny_model, kernels):
     bf16 = copy.deepcopy(tiny_model).to(torch.bfloat16)
     assert CompactDecoder(bf16).kernels is None  # default: quietly off
