@@ -107,6 +107,7 @@ class NativeRolloutEngine:
         log_probs = torch.zeros(num_rows, length, dtype=torch.float32, device=device)
         lengths = torch.full((num_rows,), length, dtype=torch.long, device=device)
         stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
+        can_stop = stop_ids.numel() > 0  # else (ignore_eos, no stop tokens) every row runs to the limit
         logits = self.decoder.prefill(input_ids, attention_mask, position_ids, n, length).repeat_interleave(n, 0)
         rows = torch.arange(num_rows, device=device)  # output row of each live batch slot
         positions = position_ids[:, -1].repeat_interleave(n) + 1  # position of the next fed token
@@ -116,16 +117,19 @@ class NativeRolloutEngine:
             tokens, step_log_probs = select_tokens(logits, params, step_uniforms)
             responses[rows, step] = tokens
             log_probs[rows, step] = step_log_probs
-            finished = torch.isin(tokens, stop_ids) & ~done
-            lengths[rows[finished]] = step + 1
-            done |= finished
-            num_done = int(done.sum())
-            if step == length - 1 or num_done == done.numel():
+            if step == length - 1:
                 break
-            if num_done >= max(1, done.numel() * COMPACT_FRACTION):
-                keep = (~done).nonzero().squeeze(1)
-                self.decoder.select(keep)
-                rows, positions, tokens, done = rows[keep], positions[keep], tokens[keep], done[keep]
+            if can_stop:
+                finished = torch.isin(tokens, stop_ids) & ~done
+                lengths[rows[finished]] = step + 1
+                done |= finished
+                num_done = int(done.sum())
+                if num_done == done.numel():
+                    break
+                if num_done >= max(1, done.numel() * COMPACT_FRACTION):
+                    keep = (~done).nonzero().squeeze(1)
+                    self.decoder.select(keep)
+                    rows, positions, tokens, done = rows[keep], positions[keep], tokens[keep], done[keep]
             logits = self.decoder.decode(tokens, positions)
             positions = positions + 1
         return responses, log_probs, lengths
