@@ -494,6 +494,51 @@ int hr_attention_backward(const float *q, int64_t qsb, int64_t qsh, int64_t qst,
                 (float *)out, (float *)lse, dout, dq, dk, dv, NULL, NULL};
     return run(&a, 1, nthreads);
 }
+/* ------------------------------------------------------------------ token log-probs
+ * The update's loss reads log_softmax(logits)[target] at every position. torch makes the whole
+ * log_softmax tensor (a read and a write of the logits) and its backward a softmax, a scaling pass
+ * and a scatter (two more reads and writes). Here the forward reads each row twice from cache (max,
+ * then the sum of exponentials) and writes one float and its log-sum-exp; the backward writes the
+ * gradient -g softmax(z) + g at the target in one pass. */
+
+/* out[i] = (z[i][t_i] - max_i) - log(sum_i), sum_i = sum_j exp(z[i][j] - max_i), as torch's log_softmax
+ * rounds it; stats[i] = (max_i, sum_i) for the backward. logits (rows, V) contiguous. */
+void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows, int64_t V, float *out, float *stats,
+                      int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *z = logits + i * V;
+        __m512 top = _mm512_set1_ps(NEG);
+        int64_t j = 0;
+        for (; j + 16 <= V; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(z + j));
+        __mmask16 tail = (__mmask16)((1u << (V - j)) - 1);
+        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, z + j));
+        float m = _mm512_reduce_max_ps(top);
+        __m512 mx = _mm512_set1_ps(m), total = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= V; j += 16) total = _mm512_add_ps(total, exp512(_mm512_sub_ps(_mm512_loadu_ps(z + j), mx)));
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, z + j), mx))));
+        float sum = _mm512_reduce_add_ps(total);
+        stats[2 * i] = m, stats[2 * i + 1] = sum;
+        out[i] = (z[targets[i]] - m) - logf(sum);
+    }
+}
+
+/* d (rows, V) = -g_i exp(z - max_i) / sum_i, plus g_i at the target: the gradient of out[i] above. */
+void hr_token_logprob_backward(const float *logits, const int64_t *targets, const float *stats, const float *grad,
+                               int64_t rows, int64_t V, float *d, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *z = logits + i * V;
+        float *di = d + i * V;
+        __m512 mx = _mm512_set1_ps(stats[2 * i]), g = _mm512_set1_ps(-grad[i] / stats[2 * i + 1]);
+        int64_t j = 0;
+        for (; j + 16 <= V; j += 16)
+            _mm512_storeu_ps(di + j, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(z + j), mx)), g));
+        __mmask16 tail = (__mmask16)((1u << (V - j)) - 1);
+        _mm512_mask_storeu_ps(di + j, tail, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, z + j), mx)), g));
+        di[targets[i]] += grad[i];
+    }
+}
 #else
 int hr_attention_supported(void) { return 0; }
 #endif

@@ -15,6 +15,10 @@ gradients).
 
 The training engine switches a model from ``sdpa`` to them with ``use_for`` (on CPU at fp32), and
 the shared-prompt forward (``hybridrl.engine.shared_prefix``) calls ``hf_attention`` as well.
+
+The same library holds the loss's token log-probs (``token_logprob`` and its backward), which
+``TrainEngine`` uses for fp32 CPU logits: log_softmax(logits)[target] without making the whole
+log_softmax tensor, and its gradient in one pass. ``HYBRIDRL_CPU_ATTENTION=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from hybridrl.utils import native_build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "usable", "use_for"]
+__all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "token_logprob",
+           "token_logprob_backward", "token_usable", "usable", "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_HEAD_DIM = 256
@@ -55,6 +60,9 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_attention_forward.argtypes = _COMMON + [_PTR, _PTR] + _SHAPE
     lib.hr_attention_backward.argtypes = _COMMON + [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR] + _SHAPE
     lib.hr_attention_forward.restype = lib.hr_attention_backward.restype = _INT
+    lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
+    lib.hr_token_logprob.restype = lib.hr_token_logprob_backward.restype = None
     return lib
 
 
@@ -197,3 +205,36 @@ def use_for(model: torch.nn.Module) -> bool:
     register(ATTENTION_NAME, hf_attention)
     config._attn_implementation = ATTENTION_NAME
     return True
+
+
+def token_usable(logits: torch.Tensor) -> bool:
+    """Whether ``token_logprob`` takes these logits: fp32, CPU, contiguous, a non-empty last dimension."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and logits.dim() >= 1 and logits.shape[-1] > 0 and available())
+
+
+def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)[targets]`` over the last dimension, shaped like ``targets`` (``logits (..., V)``,
+    ``targets (...)`` int64 in [0, V)), for logits ``token_usable`` takes; and each row's (max,
+    sum of exp(logits - max)), ``targets.shape + (2,)``, for ``token_logprob_backward``."""
+    vocab = logits.shape[-1]
+    targets = targets.contiguous().long()
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        bad = targets[(targets < 0) | (targets >= vocab)][0]
+        raise IndexError(f"token_logprob: target token id {int(bad)} outside the logits' vocabulary of {vocab}")
+    out, stats = torch.empty(targets.shape), torch.empty(*targets.shape, 2)
+    _library().hr_token_logprob(logits.data_ptr(), targets.data_ptr(), targets.numel(), vocab, out.data_ptr(),
+                                stats.data_ptr(), torch.get_num_threads())
+    return out, stats
+
+
+def token_logprob_backward(logits: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor,
+                           grad: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient of ``token_logprob``'s first output for ``grad`` (shaped like targets):
+    ``grad * (onehot(targets) - softmax(logits))``, in one pass."""
+    out = torch.empty_like(logits)
+    grad = grad.contiguous()
+    _library().hr_token_logprob_backward(logits.data_ptr(), targets.contiguous().long().data_ptr(), stats.data_ptr(),
+                                         grad.data_ptr(), targets.numel(), logits.shape[-1], out.data_ptr(),
+                                         torch.get_num_threads())
+    return out

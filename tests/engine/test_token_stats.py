@@ -3,8 +3,11 @@
 import pytest
 import torch
 
+from hybridrl.engine import cpu_attention
 from hybridrl.engine.packing import gather_response, pack_rows
 from hybridrl.engine.train_engine import _NextTokenLogProb, _token_stats
+
+needs_kernels = pytest.mark.skipif(not cpu_attention.available(), reason="hybridrl's CPU kernels do not build here")
 
 
 def _reference(logits, packed, first_col, responses, temperature):
@@ -32,6 +35,50 @@ def test_next_token_log_prob_matches_autograd_values_and_gradients():
     assert torch.allclose(fused.grad, plain.grad, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: _NextTokenLogProb.apply(x, targets),
                                    (logits.clone().requires_grad_(),))
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [16, 1037, 49152])
+def test_fp32_kernels_match_float64_log_softmax_values_and_gradients(vocab, monkeypatch):
+    """fp32 CPU logits go through hybridrl's kernels (no log_softmax tensor); values and the
+    logits' gradient against float64 autograd within twice torch's own fp32 error, a vocabulary not
+    a multiple of 16 included."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(2, 7, vocab, generator=gen) * 5
+    targets = torch.randint(0, vocab, (2, 7), generator=gen)
+    weights = torch.randn(2, 7, generator=gen)
+    calls = []
+    forward = cpu_attention.token_logprob
+    monkeypatch.setattr(cpu_attention, "token_logprob", lambda *a: calls.append(1) or forward(*a))
+    fused = logits.clone().requires_grad_()
+    out = _NextTokenLogProb.apply(fused, targets)
+    (out * weights).sum().backward()
+    exact, torch32 = logits.double().requires_grad_(), logits.clone().requires_grad_()
+    ref = torch.log_softmax(exact, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (ref * weights.double()).sum().backward()
+    plain = torch.log_softmax(torch32, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (plain * weights).sum().backward()
+    assert calls == [1] and out.dtype == torch.float32
+
+    def error(x, y):
+        return float((x.double() - y).abs().max())
+
+    assert error(out, ref.detach()) <= 2 * error(plain.detach(), ref.detach()) + 1e-7
+    assert error(fused.grad, exact.grad) <= 2 * error(torch32.grad, exact.grad) + 1e-8
+
+
+@needs_kernels
+def test_fp32_kernels_name_a_target_outside_the_vocabulary():
+    with pytest.raises(IndexError, match="target token id 40 outside the logits' vocabulary of 32"):
+        _NextTokenLogProb.apply(torch.randn(2, 3, 32), torch.tensor([[1, 2, 3], [4, 40, 5]]))
+
+
+def test_other_logits_keep_torchs_path(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "token_logprob", lambda *a: pytest.fail("kernel called"))
+    logits = torch.randn(4, 3, 32).transpose(0, 1)  # not contiguous
+    targets = torch.randint(0, 32, (3, 4))
+    out = _NextTokenLogProb.apply(logits, targets)
+    torch.testing.assert_close(out, torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
