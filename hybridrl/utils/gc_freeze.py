@@ -29,16 +29,25 @@ def enabled() -> bool:
     return os.environ.get("HYBRIDRL_GC_FREEZE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+_froze = False  # whether this process froze objects here (release leaves anyone else's alone)
+
+
 def freeze_survivors() -> int:
     """One full collection, then freeze what survived (unless turned off); returns how many objects
     the permanent generation holds afterwards (0 when off)."""
+    global _froze
     if not enabled():
         return 0
     gc.collect()
     gc.freeze()
+    _froze = True
     return gc.get_freeze_count()
 
 
 def release() -> None:
-    """Return frozen objects to the collector (``gc.unfreeze``)."""
-    gc.unfreeze()
+    """Return the objects frozen by ``freeze_survivors`` to the collector (``gc.unfreeze``); nothing
+    when it froze none."""
+    global _froze
+    if _froze:
+        gc.unfreeze()
+        _froze = False

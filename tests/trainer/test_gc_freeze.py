@@ -22,9 +22,9 @@ class Node:
 
 @pytest.fixture(autouse=True)
 def unfrozen():
-    gc_freeze.release()
+    gc.unfreeze()
     yield
-    gc_freeze.release()
+    gc.unfreeze()
 
 
 def test_frozen_objects_wait_for_release():
@@ -51,6 +51,14 @@ def test_switched_off(monkeypatch):
     monkeypatch.setenv("HYBRIDRL_GC_FREEZE", "0")
     assert gc_freeze.freeze_survivors() == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_release_leaves_objects_it_did_not_freeze():
+    gc_freeze.release()  # nothing of ours frozen
+    gc.freeze()  # someone else's
+    frozen = gc.get_freeze_count()
+    gc_freeze.release()
+    assert frozen > 0 and gc.get_freeze_count() == frozen
 
 
 def test_trainer_freezes_after_its_warmup_steps_and_releases(tmp_path, monkeypatch):
