@@ -193,36 +193,45 @@ static void add_outer(const float *w, int64_t Sp, const float *const *rows, int6
     }
 }
 
-/* first / one-past-last allowed key of mask row `row` (of B' x T rows), or first >= last when none */
+/* The first n of 16 lanes (n clamped to [0, 16]). */
+static inline __mmask16 lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Lanes of keys [j, j + 16) that mask row m allows, none at or past `end`. */
+static inline __mmask16 allowed16(const uint8_t *m, int64_t j, int64_t end) {
+    __mmask16 in = lanes(end - j);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m128i v = _mm_maskz_loadu_epi8(in, m + j);
+    return _mm_test_epi8_mask(v, v);
+#else
+    unsigned bits = 0;
+    for (int i = 0; i < 16; i++) bits |= (unsigned)((in >> i) & 1 && m[j + i] != 0) << i;
+    return (__mmask16)bits;
+#endif
+}
+
+/* first / one-past-last allowed key of a mask row, 16 mask bytes a step from each end; first >=
+ * last when it allows none */
 static void scan_row(const uint8_t *m, int64_t S, int32_t *out) {
     int64_t first = 0, last = S;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    while (first < S) { /* 16 mask bytes at a time: the bits of the nonzero ones */
-        __mmask16 in = first + 16 <= S ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - first)) - 1);
-        __m128i v = _mm_maskz_loadu_epi8(in, m + first);
-        unsigned bits = _mm_test_epi8_mask(v, v);
+    for (; first < S; first += 16) {
+        unsigned bits = allowed16(m, first, S);
         if (bits) {
             first += __builtin_ctz(bits);
             break;
         }
-        first += 16;
     }
     if (first > S) first = S;
     while (last > first) {
         int64_t lo = last - 16 > first ? last - 16 : first;
-        __mmask16 in = (__mmask16)((1u << (last - lo)) - 1);
-        __m128i v = _mm_maskz_loadu_epi8(in, m + lo);
-        unsigned bits = _mm_test_epi8_mask(v, v);
+        unsigned bits = allowed16(m, lo, last);
         if (bits) {
             last = lo + 32 - __builtin_clz(bits);
             break;
         }
         last = lo;
     }
-#else
-    while (first < S && !m[first]) first++;
-    while (last > first && !m[last - 1]) last--;
-#endif
     out[0] = (int32_t)first, out[1] = (int32_t)last;
 }
 
@@ -267,20 +276,6 @@ static inline __m512 exp512(__m512 x) {
     q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
     q = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_scalef_ps(q, n));
-}
-
-/* Lanes of keys [j, j + 16) that mask row m allows (none at or past S). */
-static inline __mmask16 allowed16(const uint8_t *m, int64_t j, int64_t S) {
-    if (j >= S) return 0;
-    __mmask16 in = j + 16 <= S ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m128i v = _mm_maskz_loadu_epi8(in, m + j);
-    return _mm_test_epi8_mask(v, v);
-#else
-    unsigned bits = 0;
-    for (int i = 0; i < 16; i++) bits |= (unsigned)((in >> i) & 1 && m[j + i] != 0) << i;
-    return (__mmask16)bits;
-#endif
 }
 
 /* p[r][j] = exp(scale s[r][j] - lse) over allowed keys in [j0, j1), 0 elsewhere in that range and in
@@ -494,6 +489,7 @@ int hr_attention_backward(const float *q, int64_t qsb, int64_t qsh, int64_t qst,
                 (float *)out, (float *)lse, dout, dq, dk, dv, NULL, NULL};
     return run(&a, 1, nthreads);
 }
+
 /* ------------------------------------------------------------------ token log-probs
  * The update's loss reads log_softmax(logits)[target] at every position. torch makes the whole
  * log_softmax tensor (a read and a write of the logits) and its backward a softmax, a scaling pass
@@ -511,7 +507,7 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         __m512 top = _mm512_set1_ps(NEG);
         int64_t j = 0;
         for (; j + 16 <= V; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(z + j));
-        __mmask16 tail = (__mmask16)((1u << (V - j)) - 1);
+        __mmask16 tail = lanes(V - j);
         top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, z + j));
         float m = _mm512_reduce_max_ps(top);
         __m512 mx = _mm512_set1_ps(m), total = _mm512_setzero_ps();
@@ -534,7 +530,7 @@ void hr_token_logprob_backward(const float *logits, const int64_t *targets, cons
         int64_t j = 0;
         for (; j + 16 <= V; j += 16)
             _mm512_storeu_ps(di + j, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(z + j), mx)), g));
-        __mmask16 tail = (__mmask16)((1u << (V - j)) - 1);
+        __mmask16 tail = lanes(V - j);
         _mm512_mask_storeu_ps(di + j, tail, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, z + j), mx)), g));
         di[targets[i]] += grad[i];
     }
