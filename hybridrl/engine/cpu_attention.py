@@ -182,16 +182,18 @@ ATTENTION_NAME = "hybridrl_cpu"  # the transformers attention implementation ``u
 _registered: set[str] = set()
 
 
-def register(name: str, fn) -> None:
+def register(name: str, fn, masks: bool = True) -> None:
     """Register ``fn`` with transformers as attention implementation ``name`` (once), with sdpa's
-    masks; it runs outside ``torch.compile``: compiled blocks break their graph around the call."""
+    masks (``masks=False``: transformers makes none, ``fn`` gets None); it runs outside
+    ``torch.compile``: compiled blocks break their graph around the call."""
     if name in _registered:
         return
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(name, torch.compiler.disable(fn))
-    AttentionMaskInterface.register(name, sdpa_mask)
+    if masks:
+        AttentionMaskInterface.register(name, sdpa_mask)
     _registered.add(name)
 
 

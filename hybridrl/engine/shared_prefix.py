@@ -2,35 +2,40 @@
 
 GRPO, RLOO and any run with ``rollout.n > 1`` train on ``n`` rows per prompt that begin with the
 same prompt tokens. A causal model's hidden states at those positions do not depend on what follows
-them, so every row of a group recomputes the same prompt activations. Here a micro-batch runs in two
-model calls:
+them, so every row of a group recomputes the same prompt activations. Here a micro-batch runs as one
+model call on one flat sequence (batch 1) of
 
-1. the distinct prompts, once each (``U`` rows), with the normal causal mask; each attention layer
-   keeps its rotated keys and values;
-2. every row's response tokens but the last, which predicts nothing (``b`` rows), whose attention
-   reads its group's prompt keys and values (gathered per row, so autograd sums the gradients of
-   all ``n`` rows into the one prompt computation) followed by its own, causally.
+1. the distinct prompts, once each (``U`` of them, trimmed to the longest, left-padded), then
+2. every row's response tokens but the last, which predicts nothing (``b`` rows of ``fed`` tokens),
 
-The log-prob of response token 0 comes from the prompt's last position (pass 1), token ``j > 0``
-from response position ``j - 1`` (pass 2). The LM head runs once, in pass 2, on each row's prompt
-hidden state followed by its own: pass 1 only hands its last hidden states over. A separate head call
-for the ``U`` prompt rows cost SmolLM2 a second (49152, 576) weight gradient and its sum with the
-first (about 55 ms of a 3 s update), and joining the two logits tensors a copy of all of them. The
-arithmetic is the same as the full rows' up to float rounding (matmuls of other shapes); the work
-drops by ``(b - U) / b`` of the prompt tokens, e.g. three quarters of them with 4 samples per prompt.
+so that every linear layer, norm and activation runs once on all these positions. Only attention
+sees the structure: an attention function registered with transformers (``AttentionInterface``)
+splits the flat queries, keys and values back into the prompts (causal over themselves) and the
+rows, whose queries read their group's prompt keys and values (gathered per row, so autograd sums
+the gradients of all ``n`` rows into the one prompt computation) followed by their own, causally.
+Both go through ``cpu_attention.hf_attention`` (hybridrl's CPU kernels where they apply,
+transformers' ``sdpa`` elsewhere). An earlier version ran the prompts and the rows as two model
+calls: twice the calls per layer, products of fewer rows, and each weight's two gradients summed;
+SmolLM2's update (4 prompts x 4 rows, 36 + 32 tokens) took 3.75 s that way against 3.59 s now
+(alternating in one process).
 
-The keys and values pass between the two calls through an attention function registered with
-transformers (``AttentionInterface``) that wraps ``cpu_attention.hf_attention`` (hybridrl's CPU
-kernels where they apply, transformers' ``sdpa`` elsewhere); it is active only inside
-``shared_prompt_logits`` and runs outside ``torch.compile`` (compiled transformer blocks break their
-graph around it), so the usual path is untouched. It applies to models whose attention is plain
-causal ``sdpa`` or hybridrl's CPU attention (Llama, Qwen2, Qwen3 without sliding windows) and not under activation
-checkpointing, whose recomputation would run the response pass without its prompt.
+The log-prob of response token 0 comes from the prompt's last position, token ``j > 0`` from
+response position ``j - 1``: the LM head runs once on each row's prompt position followed by its
+own (its forward is overridden for the call, since FSDP2 gathers parameters in the root module's
+forward and the head cannot be called apart). The arithmetic is the same as the full rows' up to
+float rounding (matmuls of other shapes); the work drops by ``(b - U) / b`` of the prompt tokens,
+e.g. three quarters of them with 4 samples per prompt.
+
+The attention function is active only inside ``shared_prompt_logits`` and runs outside
+``torch.compile`` (compiled transformer blocks break their graph around it), so the usual path is
+untouched. It applies to models whose attention is plain causal ``sdpa`` or hybridrl's CPU
+attention (Llama, Qwen2, Qwen3 without sliding windows) and not under activation checkpointing,
+whose recomputation would run outside the call that sets up the split.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,26 +51,29 @@ MIN_SAVED_FRACTION = 0.1  # share only when it removes at least this share of th
 
 @dataclass
 class _Share:
-    """Prompt keys/values of each layer and last hidden states (pass 1), and the prompt (group) of
-    each row (pass 2)."""
+    """How the flat sequence of ``shared_prompt_logits`` splits: ``U`` prompts of ``width`` positions
+    (left padded; ``prompt_mask`` (U, 1, width, width), None when none is padded), then ``b`` rows of
+    ``fed`` response positions, row ``i`` reading prompt ``index[i]``'s keys and values through
+    ``response_mask`` (b, 1, fed, width + fed); ``heads`` gathers each row's positions for the LM head."""
 
     index: torch.Tensor
-    responding: bool = False
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    prompt_hidden: torch.Tensor | None = None  # (U, 1, E): what pass 1 fed its LM head
+    prompts: int
+    width: int
+    fed: int
+    prompt_mask: torch.Tensor | None
+    response_mask: torch.Tensor
+    heads: torch.Tensor
 
 
 def _head_forward(head: nn.Module, share: _Share):
-    """A forward for the LM head ``head`` during ``shared_prompt_logits``: in pass 1 it keeps its input
-    (the prompts' last hidden states) and computes nothing; in pass 2 it puts each row's prompt hidden
-    state before the row's own and runs the head's own forward once on all of them."""
+    """A forward for the LM head ``head`` during ``shared_prompt_logits``: from the flat sequence's
+    hidden states it takes each row's prompt's last position followed by the row's own and runs the
+    head's own forward once on all of them, ``(b, fed + 1, E)``."""
     forward = type(head).forward
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        if not share.responding:
-            share.prompt_hidden = hidden
-            return hidden[:, :0]  # no logits: pass 2 computes the prompts' together with the rows'
-        return forward(head, torch.cat([share.prompt_hidden.index_select(0, share.index), hidden], dim=1))
+        rows = hidden[0].index_select(0, share.heads.view(-1)).view(*share.heads.shape, hidden.shape[-1])
+        return forward(head, rows)
 
     return head_forward
 
@@ -73,22 +81,35 @@ def _head_forward(head: nn.Module, share: _Share):
 _active: _Share | None = None
 
 
+def _split(states: torch.Tensor, share: _Share) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, H, T, D) of the flat sequence -> the prompts' (U, H, width, D) and the rows' (b, H, fed, D), views."""
+    cut = share.prompts * share.width
+    prompt = states[0, :, :cut].unflatten(1, (share.prompts, share.width)).transpose(0, 1)
+    return prompt, states[0, :, cut:].unflatten(1, (-1, share.fed)).transpose(0, 1)
+
+
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """``cpu_attention.hf_attention``; inside ``shared_prompt_logits`` it keeps the prompt pass's keys
-    and values per layer, and puts each row's prompt keys and values before its own in the response pass."""
+    """Attention over ``shared_prompt_logits``' flat sequence: each prompt causally over itself, each
+    row over its prompt's keys and values followed by its own, causally; through
+    ``cpu_attention.hf_attention`` (hybridrl's kernels, or sdpa where they do not apply). Returns the
+    flat (1, T, H, D) output transformers expects."""
     share = _active
-    if share is not None:
-        if not share.responding:
-            share.cache[module.layer_idx] = (key, value)
-        else:
-            keys, values = share.cache[module.layer_idx]
-            key = torch.cat([keys.index_select(0, share.index), key], dim=2)
-            value = torch.cat([values.index_select(0, share.index), value], dim=2)
-    return cpu_attention.hf_attention(module, query, key, value, attention_mask, **kwargs)
+    q_prompt, q_rows = _split(query, share)
+    k_prompt, k_rows = _split(key, share)
+    v_prompt, v_rows = _split(value, share)
+    kwargs.pop("is_causal", None)
+    out_prompt, _ = cpu_attention.hf_attention(module, q_prompt, k_prompt, v_prompt, share.prompt_mask,
+                                               is_causal=True, **kwargs)
+    keys = torch.cat([k_prompt.index_select(0, share.index), k_rows], dim=2)
+    values = torch.cat([v_prompt.index_select(0, share.index), v_rows], dim=2)
+    out_rows, _ = cpu_attention.hf_attention(module, q_rows, keys, values, share.response_mask,
+                                             is_causal=False, **kwargs)
+    out = torch.cat([out_prompt.flatten(0, 1), out_rows.flatten(0, 1)])
+    return out[None], None
 
 
 def shareable(model: nn.Module) -> bool:
-    """Whether ``model``'s attention admits the two-pass forward (see the module docstring)."""
+    """Whether ``model``'s attention admits the shared-prompt forward (see the module docstring)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
@@ -136,38 +157,45 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``(b, P + R)`` as the rollout produced them:
     prompt left-padded to ``P``, response right-padded to ``R = response_length``."""
     global _active
-    cpu_attention.register(ATTENTION_NAME, _attention)  # pass 1 gets sdpa's own masks
+    cpu_attention.register(ATTENTION_NAME, _attention, masks=False)  # it makes its own masks
     first, index = groups
     prompt_width = input_ids.shape[1] - response_length
     width, r_mb = int(prompt_lens.max()), int(response_lens.max())
     cols = slice(prompt_width - width, prompt_width)
-    ids, mask, pos = input_ids[first, cols], attention_mask[first, cols], position_ids[first, cols]
-    # the last response token predicts nothing: pass 2 feeds tokens 0 .. R_mb - 2, which predict 1 .. R_mb - 1
+    ids, mask, pos = input_ids[first, cols], attention_mask[first, cols].bool(), position_ids[first, cols]
+    prompts, b = ids.shape[0], input_ids.shape[0]
+    # the last response token predicts nothing: rows feed tokens 0 .. R_mb - 2, which predict 1 .. R_mb - 1
     fed = r_mb - 1
     response = slice(prompt_width, prompt_width + fed)
-    own = attention_mask[:, None, None, response].bool()
-    causal = torch.ones(fed, fed, dtype=torch.bool, device=own.device).tril()
-    # (b, 1, fed, P_mb + fed): the row's real prompt tokens, then its own tokens causally. Every
-    # input of pass 2 is a fresh contiguous tensor: compiled blocks guard on strides, and views into
-    # the (b, P + R) batch would change them with every batch's P.
-    full_mask = torch.cat([mask.bool()[index][:, None, None, :].expand(-1, 1, fed, -1), causal & own], dim=3)
+    device = input_ids.device
+    causal = torch.ones(max(width, fed), max(width, fed), dtype=torch.bool, device=device).tril()
+    # a padding query sees itself (finite values nobody reads) rather than nothing
+    prompt_mask = None if bool(mask.all()) else (causal[:width, :width] & (
+        mask[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)))[:, None]
+    own = attention_mask[:, None, None, response].bool() & causal[:fed, :fed]
+    # (b, 1, fed, width + fed): the row's real prompt tokens, then its own tokens causally
+    response_mask = torch.cat([mask[index][:, None, None, :].expand(-1, 1, fed, -1), own], dim=3)
+    # the head reads each row's prompt's last position, then the row's own positions
+    cut = prompts * width
+    heads = torch.cat([(index * width + width - 1)[:, None],
+                       cut + torch.arange(b, device=device)[:, None] * fed + torch.arange(fed, device=device)], dim=1)
+    # one flat sequence, prompts then rows: every linear layer and norm runs once on all positions
+    flat_ids = torch.cat([ids.reshape(-1), input_ids[:, response].reshape(-1)])[None]
+    flat_pos = torch.cat([pos.reshape(-1), position_ids[:, response].reshape(-1)])[None]
     config = model.config
     previous = config._attn_implementation
     head = model.get_output_embeddings()
-    _active = share = _Share(index=index)
+    _active = _Share(index=index, prompts=prompts, width=width, fed=fed, prompt_mask=prompt_mask,
+                     response_mask=response_mask, heads=heads)
     config._attn_implementation = ATTENTION_NAME
-    head.forward = _head_forward(head, share)  # the instance's own, over its class's, until finally
+    head.forward = _head_forward(head, _active)  # the instance's own, over its class's, until finally
     try:
-        model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=pos,
-              use_cache=False, logits_to_keep=1)
-        share.responding = True
-        response_out = model(input_ids=input_ids[:, response].contiguous(), attention_mask=full_mask,
-                             position_ids=position_ids[:, response].contiguous(), use_cache=False)
+        out = model(input_ids=flat_ids, position_ids=flat_pos, use_cache=False)
     finally:
         config._attn_implementation = previous
         del head.forward
         _active = None
-    return _logits_of(response_out), ids.numel() + input_ids.shape[0] * fed
+    return _logits_of(out), ids.numel() + b * fed
 
 
 def _logits_of(output) -> torch.Tensor:
