@@ -47,6 +47,36 @@ def test_forward_and_gradients_match_nn_linear(shape, out, bias):
         _close(dnn.bias.grad, ref.bias.grad)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("rows", "inner", "out", "plan"), [
+    (1100, 300, 20, "primitive"),  # many rows of a wide input
+    (1100, 40, 96, "transposed x"),  # a narrow input, an output at least twice as wide
+    (300, 40, 96, "transposed x"),
+    (1100, 40, 64, "transposed grad"),
+    (50, 300, 700, "transposed grad"),  # few rows
+])
+def test_each_weight_gradient_product_matches_float64(rows, inner, out, plan, bias):
+    assert cpu_matmul.weight_grad_plan(rows, out, inner) == plan
+    gen = torch.Generator().manual_seed(rows + inner + out)
+    x, grad, weight = torch.randn(rows, inner, generator=gen), torch.randn(rows, out, generator=gen), torch.empty(out, inner)
+    grad_w, grad_b = cpu_matmul._weight_grad_op(grad, x, weight, bias)
+    _close(grad_w, (grad.double().t() @ x.double()).float())
+    assert grad_w.shape == (out, inner) and grad_w.is_contiguous()
+    if bias:
+        _close(grad_b, grad.double().sum(0).float())
+    else:
+        assert grad_b.numel() == 0
+
+
+def test_weight_gradient_plans_of_the_benchmark_shapes():
+    """The shapes the plans were measured on (cpu_matmul's table): SmolLM2's update, the tiny and the 25M model's."""
+    plan = cpu_matmul.weight_grad_plan
+    assert {plan(656, out, inner) for out, inner in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]} == {
+        "transposed grad"}
+    assert [plan(8320, out, 128) for out in (128, 64, 384, 1024)] == ["transposed grad"] * 2 + ["transposed x"] * 2
+    assert plan(8320, 128, 384) == plan(4144, 512, 1536) == "primitive"
+
+
 def test_strided_views_and_compile():
     """The last position of each sequence (rows with gaps between them) and a compiled caller."""
     torch.manual_seed(1)

@@ -140,18 +140,47 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# How the weight gradient grad^T x of grad (m, out), x (m, in) is computed (``_weight_grad_op``):
+# oneDNN's weight-gradient primitive reads both operands as they are but copies them into its own
+# tensors first (``to_mkldnn``) and its result out again; an inner product needs one operand
+# transposed in memory. Best times on a Zen 5, one thread (GFLOP/s, primitive / inner product on the
+# transposed grad / on the transposed x): SmolLM2's update (m = 656) 180-186 / 188-207 / 168-183
+# (the (49152, 576) LM head 187 / 191 / 154); the tiny model's (m = 8320, in = 128) q 118 / 140 /
+# 119, gate and up (out 384) 97 / 80 / 124, LM head (out 1024) 137 / 115 / 155; the 25M model's
+# (m = 4144) down projection (in 1536) 180 / 170 / 167. So: the primitive for many rows of a wide
+# input, else the inner product, on the transposed x when the input is narrow and the output at
+# least twice as wide (the smaller copy), else on the transposed grad.
+WEIGHT_GRAD_TRANSPOSE_MAX_ROWS = 1024
+WEIGHT_GRAD_NARROW_INPUT = 256
+
+
+def weight_grad_plan(rows: int, out: int, inner: int) -> str:
+    """How ``_weight_grad_op`` computes the weight gradient of ``rows`` rows of a linear (inner -> out):
+    "primitive", "transposed x" or "transposed grad" (the table above)."""
+    if rows > WEIGHT_GRAD_TRANSPOSE_MAX_ROWS and inner > WEIGHT_GRAD_NARROW_INPUT:
+        return "primitive"
+    if inner <= WEIGHT_GRAD_NARROW_INPUT and out >= 2 * inner:  # x^T (in, m) is the smaller copy
+        return "transposed x"
+    return "transposed grad"
+
+
 @torch.library.custom_op(f"hybridrl::linear_weight_grad_v{OP_VERSION}", mutates_args=())
 def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad^T x, grad summed over rows, or an empty tensor without ``with_bias``) for grad (m, out),
-    x (m, in): oneDNN's weight-gradient primitive, which reads both operands as they are; the same
-    product as an inner product needs one of them transposed in memory first, and torch's transposing
-    copy of a (4032, 1536) gradient took 30-47 ms in a 25M update (the product itself 30)."""
+    x (m, in), by the product ``weight_grad_plan`` picks for the shape."""
     if grad.shape[0] == 0:
         return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
-    grad_w, grad_b = torch.ops.aten.mkldnn_linear_backward_weights(
-        grad.contiguous().to_mkldnn(), x.contiguous().to_mkldnn(), weight, with_bias)
-    return grad_w, grad_b if with_bias else grad.new_empty(0)
+    plan = weight_grad_plan(grad.shape[0], grad.shape[1], x.shape[1])
+    if plan == "primitive":
+        grad_w, grad_b = torch.ops.aten.mkldnn_linear_backward_weights(
+            grad.contiguous().to_mkldnn(), x.contiguous().to_mkldnn(), weight, with_bias)
+        return grad_w, grad_b if with_bias else grad.new_empty(0)
+    if plan == "transposed x":  # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
+        grad_w = _onednn(x.t().contiguous(), grad.t(), None).t().contiguous()
+    else:  # grad^T (out, m) @ x: the inner product reads x^T in place
+        grad_w = _onednn(grad.t().contiguous(), x.t(), None)
+    return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
 
 
 @_weight_grad_op.register_fake
