@@ -176,10 +176,12 @@ def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         grad_w, grad_b = torch.ops.aten.mkldnn_linear_backward_weights(
             grad.contiguous().to_mkldnn(), x.contiguous().to_mkldnn(), weight, with_bias)
         return grad_w, grad_b if with_bias else grad.new_empty(0)
+    from hybridrl.engine.cpu_attention import transposed  # here: hybridrl.engine imports this module
+
     if plan == "transposed x":  # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
-        grad_w = _onednn(x.t().contiguous(), grad.t(), None).t().contiguous()
+        grad_w = transposed(_onednn(transposed(x), grad.t(), None))
     else:  # grad^T (out, m) @ x: the inner product reads x^T in place
-        grad_w = _onednn(grad.t().contiguous(), x.t(), None)
+        grad_w = _onednn(transposed(grad), x.t(), None)
     return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
 
 

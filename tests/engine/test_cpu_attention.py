@@ -127,6 +127,26 @@ def test_usable_and_hf_attention_hand_over_to_sdpa():
     assert float((mine - _reference(q, k, v, None, 0.125)).detach().abs().max()) < 2e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (1, 37), (37, 1), (16, 16), (33, 50), (656, 192), (100, 130)])
+def test_transposed_equals_torchs_transposed_copy(rows, cols, threads):
+    # whole 16 x 16 blocks, tails in either dimension, single rows and columns, a row stride past the width
+    x = torch.randn(rows, cols + 3, generator=torch.Generator().manual_seed(rows * cols))[:, :cols]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_attention.transposed(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == (cols, rows) and out.is_contiguous() and torch.equal(out, x.t().contiguous())
+
+
+def test_transposed_hands_other_tensors_to_torch():
+    for x in (torch.randn(5, 7).t(), torch.randn(4, 6, dtype=torch.float64), torch.zeros(0, 3),
+              torch.randn(cpu_attention.TRANSPOSE_MAX_FLOATS // 64 + 1, 64)):
+        assert torch.equal(cpu_attention.transposed(x), x.t().contiguous())
+
+
 def test_turned_off_by_environment():
     code = "from hybridrl.engine import cpu_attention; print(cpu_attention.available())"
     env = {**os.environ, "HYBRIDRL_CPU_ATTENTION": "0"}
