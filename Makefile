@@ -85,7 +85,7 @@ test-vllm: vllm-venv
 BENCH_THREADS ?= 1
 bench: venv
 	$(VPY) -m pip install -q 'trl==1.16.0'
-	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 2 --steps 4 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case 25m --reps 2 --steps 4 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case smollm2 --ref off --reps 2 --steps 4 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 4 --no-trl --backend ray --workers 1 --tag _ray1 --threads $(BENCH_THREADS)

@@ -17,7 +17,7 @@ PHASE_NAMES = {"gen": "generation", "reward": "reward", "old_log_prob": "old log
                "dispatch": "of the worker phases: outside the workers (dispatch)"}
 COMMANDS = """```
 make bench                                                     # everything below, then this file
-python benchmarks/grpo_bench.py --case tiny --reps 2 --steps 4   # one e2e case, both ref settings
+python benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5   # one e2e case, both ref settings
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --tag _ray2
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --n 64 --tag _ray2_n64
 python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile off --tag _eager
