@@ -72,7 +72,7 @@ def _head_forward(head: nn.Module, share: _Share):
     forward = type(head).forward
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden[0].index_select(0, share.heads.view(-1)).view(*share.heads.shape, hidden.shape[-1])
+        rows = hidden.squeeze(0).index_select(0, share.heads.view(-1)).view(*share.heads.shape, hidden.shape[-1])
         return forward(head, rows)
 
     return head_forward
@@ -84,8 +84,11 @@ _active: _Share | None = None
 def _split(states: torch.Tensor, share: _Share) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, H, T, D) of the flat sequence -> the prompts' (U, H, width, D) and the rows' (b, H, fed, D), views."""
     cut = share.prompts * share.width
-    prompt = states[0, :, :cut].unflatten(1, (share.prompts, share.width)).transpose(0, 1)
-    return prompt, states[0, :, cut:].unflatten(1, (-1, share.fed)).transpose(0, 1)
+    # one split (its backward joins the two gradients in one copy; two slices would each fill a
+    # full-size zero tensor and add them up)
+    prompt, rows = states.squeeze(0).split([cut, states.shape[2] - cut], dim=1)  # squeeze: [0]'s backward copies
+    return (prompt.unflatten(1, (share.prompts, share.width)).transpose(0, 1),
+            rows.unflatten(1, (-1, share.fed)).transpose(0, 1))
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
