@@ -26,9 +26,11 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,out", [((7, 33), 48), ((2, 9, 64), 48), ((3, 1, 128), 48), ((5, 16), 1),
-                                       ((0, 16), 8), ((2, 0, 16), 8)])
+                                       ((0, 16), 8), ((2, 0, 16), 8), ((3, 20000), 5), ((4, 7), 20000)])
 def test_forward_and_gradients_match_nn_linear(shape, out, bias):
-    # the last cases: a value head's single output, and empty batches (the weight gradient sums nothing)
+    # a value head's single output, empty batches (the weight gradient sums nothing), and sums
+    # longer than LONG_SUM (in the forward of 20000 inputs, in the input gradient of 20000 outputs),
+    # which run in chunks
     torch.manual_seed(0)
     ref = nn.Linear(shape[-1], out, bias=bias)
     dnn = copy.deepcopy(ref)
