@@ -26,11 +26,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,out", [((7, 33), 48), ((2, 9, 64), 48), ((3, 1, 128), 48), ((5, 16), 1),
-                                       ((0, 16), 8), ((2, 0, 16), 8), ((3, 20000), 5), ((4, 7), 20000)])
+                                       ((0, 16), 8), ((2, 0, 16), 8), ((3, 20000), 5), ((4, 7), 20000),
+                                       ((400, 20000), 200), ((400, 200), 20000)])
 def test_forward_and_gradients_match_nn_linear(shape, out, bias):
     # a value head's single output, empty batches (the weight gradient sums nothing), and sums
     # longer than LONG_SUM (in the forward of 20000 inputs, in the input gradient of 20000 outputs),
-    # which run in chunks
+    # which run in chunks where the output is large enough (the last two)
     torch.manual_seed(0)
     ref = nn.Linear(shape[-1], out, bias=bias)
     dnn = copy.deepcopy(ref)

@@ -59,11 +59,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-# A sum over more than LONG_SUM products runs as products over chunks of LONG_SUM_CHUNK, added up:
-# SmolLM2's LM-head input gradient (512 rows, a sum over its 49152 vocabulary entries, 576 outputs)
-# took 172 ms as one product and 153 in chunks of 4096-8192 (one thread, best of 5).
+# A sum over more than LONG_SUM products with an output of at least LONG_SUM_MIN_OUTPUT values runs
+# as products over chunks of LONG_SUM_CHUNK, added up (each chunk of a row-major x is copied first):
+# SmolLM2's LM-head input gradient (512 x 576 outputs, a sum over its 49152 vocabulary entries) took
+# 172 ms as one product and 153 in chunks (a (576, 576) weight gradient over 30000 rows read 131 vs
+# 105 ms once and 117 vs 118 another time). Small outputs lost to the copies: (128, 128) over 20000
+# rows 3.7 vs 4.0 ms, (64, 128) over 40000 4.0 vs 4.9 ms (one thread, best of 5-7).
 LONG_SUM = 16384
 LONG_SUM_CHUNK = 8192
+LONG_SUM_MIN_OUTPUT = 1 << 16
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +75,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     An empty sum (in = 0, e.g. the weight gradient of an empty batch) has no oneDNN primitive."""
     if x.shape[1] == 0:
         return F.linear(x, weight, bias)
-    if x.shape[1] > LONG_SUM:
+    if x.shape[1] > LONG_SUM and x.shape[0] * weight.shape[0] >= LONG_SUM_MIN_OUTPUT:
         out = None
         for start in range(0, x.shape[1], LONG_SUM_CHUNK):
             cols = slice(start, start + LONG_SUM_CHUNK)
