@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, load_block16 */
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -57,31 +59,6 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 /* Row length of the transposed keys and score buffers: whole 32-key steps plus 16, so that rows are an
  * odd number of cache lines apart (a power-of-two stride put all of a step's rows in two L1 sets). */
 static int64_t padded(int64_t S) { return round_up(S, 32) + 16; }
-
-/* 16 x 16 transpose in registers: r[i] holds row i on entry, column i on return. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    }
-}
 
 /* kt (D, Sp) = transpose of rows [0, S) of x (S, D) with row stride xs; zero past S. In 16 x 16
  * blocks through registers (element by element, the strided stores took a sixth of the forward). */
@@ -191,11 +168,6 @@ static void add_outer(const float *w, int64_t Sp, const float *const *rows, int6
             _mm512_storeu_ps(ar, a0);
         }
     }
-}
-
-/* The first n of 16 lanes (n clamped to [0, 16]). */
-static inline __mmask16 lanes(int64_t n) {
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
 /* Lanes of keys [j, j + 16) that mask row m allows, none at or past `end`. */
@@ -547,10 +519,8 @@ void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float 
         __mmask16 rm = lanes(nr);
         for (int64_t c0 = 0; c0 < cols; c0 += 16) {
             int64_t nc = cols - c0 < 16 ? cols - c0 : 16;
-            __mmask16 cm = lanes(nc);
             __m512 r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = i < nr ? _mm512_maskz_loadu_ps(cm, x + (r0 + i) * xs + c0) : _mm512_setzero_ps();
+            load_block16(x + r0 * xs + c0, xs, nr, nc, r);
             transpose16(r);
             for (int64_t i = 0; i < nc; i++) _mm512_mask_storeu_ps(out + (c0 + i) * rows + r0, rm, r[i]);
         }

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, load_block16 */
+
 #define MAX_GROUP 64 /* query heads per kv head handled on the stack */
 
 /* hidden += x (when x is not NULL); out = weight * (hidden * 1 / sqrt(mean(hidden^2) + eps)) */
@@ -348,27 +350,48 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
 /* Floats hr_pack_weight writes for an (n, k) weight: n rounded up to whole panels, times k. */
 int64_t hr_packed_floats(int64_t n, int64_t k) { return (n + HR_NR - 1) / HR_NR * HR_NR * k; }
 
-/* (n, k) row-major -> panels of HR_NR columns, each (k, HR_NR) contiguous, zero past column n. */
-void hr_pack_weight(const float *w, float *out, int64_t n, int64_t k, int nthreads) {
-    int64_t panels = (n + HR_NR - 1) / HR_NR;
+/* Rows [0, n) of w (n, k) row-major (NULL: zeros) as columns [col0, col0 + n) of a packed matrix: panels
+ * of HR_NR columns, each (k, HR_NR) contiguous. Several weights stacked along n (q, k and v; gate and
+ * up) pack side by side at their column offsets, with no concatenated copy first. With AVX-512 and
+ * col0 a multiple of 16, 16 x 16 blocks are transposed in registers (element by element, a SmolLM2
+ * repack after every weight update took 100-120 ms). */
+void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0, int nthreads) {
+#if defined(__AVX512F__)
+    if (col0 % 16 == 0) {
+        int64_t blocks = (n + 15) / 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        float *dst = out + p * k * HR_NR;
-        for (int64_t l = 0; l < HR_NR; l++) {
-            int64_t j = p * HR_NR + l;
-            if (j < n) {
-                const float *src = w + j * k;
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * HR_NR + l] = src[kk];
-            } else {
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * HR_NR + l] = 0.f;
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r0 = 16 * b, nr = n - r0 < 16 ? n - r0 : 16, col = col0 + r0;
+            float *dst = out + col / HR_NR * k * HR_NR + col % HR_NR;
+            __mmask16 rm = lanes(nr);
+            for (int64_t c0 = 0; c0 < k; c0 += 16) {
+                int64_t nc = k - c0 < 16 ? k - c0 : 16;
+                __m512 r[16];
+                if (w) {
+                    load_block16(w + r0 * k + c0, k, nr, nc, r);
+                    transpose16(r);
+                } else {
+                    for (int i = 0; i < 16; i++) r[i] = _mm512_setzero_ps();
+                }
+                if (nr == 16 && ((uintptr_t)dst & 63) == 0)
+                    for (int64_t i = 0; i < nc; i++) _mm512_stream_ps(dst + (c0 + i) * HR_NR, r[i]);
+                else
+                    for (int64_t i = 0; i < nc; i++) _mm512_mask_storeu_ps(dst + (c0 + i) * HR_NR, rm, r[i]);
             }
         }
+        _mm_sfence();
+        return;
+    }
+#endif
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        int64_t col = col0 + r;
+        float *dst = out + col / HR_NR * k * HR_NR + col % HR_NR;
+        for (int64_t kk = 0; kk < k; kk++) dst[kk * HR_NR] = w ? w[r * k + kk] : 0.f;
     }
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 int hr_dense_supported(void) { return 1; }
 
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
@@ -401,10 +424,6 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
     *done = issued;
     for (int i = 0; i < 3 * HR_MR; i++)
         _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
-}
-
-static inline __mmask16 hr_cols(int64_t cols) {
-    return cols >= 16 ? (__mmask16)0xFFFF : cols <= 0 ? (__mmask16)0 : (__mmask16)((1u << cols) - 1);
 }
 
 /* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_weight.
@@ -441,7 +460,7 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
                                 pf, lines, per4, &done);
                 }
                 int64_t cols = n - p * HR_NR;
-                __mmask16 mask[3] = {hr_cols(cols), hr_cols(cols - 16), hr_cols(cols - 32)};
+                __mmask16 mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
                 __m512 bv[3];
                 for (int v = 0; v < 3; v++)
                     bv[v] = bias ? _mm512_maskz_loadu_ps(mask[v], bias + p * HR_NR + 16 * v) : _mm512_setzero_ps();

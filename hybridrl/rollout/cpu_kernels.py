@@ -30,7 +30,7 @@ _SIGNATURES = {
     "hr_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "hr_select_tokens": [_PTR, _PTR, _F32, _INT, _PTR, _PTR, _I64, _I64, _INT],
-    "hr_pack_weight": [_PTR, _PTR, _I64, _I64, _INT],
+    "hr_pack_rows": [_PTR, _I64, _I64, _PTR, _I64, _INT],
     "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
                             _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
@@ -51,7 +51,7 @@ class CpuKernels:
         self._silu_mul = lib.hr_silu_mul
         self._attention = lib.hr_decode_attention
         self._select_tokens = lib.hr_select_tokens
-        self._pack_weight = lib.hr_pack_weight
+        self._pack_rows = lib.hr_pack_rows
         self._dense = lib.hr_dense
         lib.hr_dense_supported.argtypes, lib.hr_dense_supported.restype = [], _INT
         lib.hr_packed_floats.argtypes, lib.hr_packed_floats.restype = [_I64, _I64], _I64
@@ -95,13 +95,24 @@ class CpuKernels:
                         slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, pk, pv, p_row, p_head,
                         src, shared, torch.get_num_threads())
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A weight (n, k) in `dense`'s layout: panels of 48 output columns, each (k, 48), zero-padded
-        past n (a flat tensor of ceil(n / 48) * 48 * k floats)."""
-        n, k = weight.shape
-        weight = weight.contiguous()
+    def pack_weight(self, *weights: torch.Tensor) -> torch.Tensor:
+        """Weights (n_i, k), stacked along n as ``torch.cat(weights)`` would be (q, k, v; gate, up),
+        in `dense`'s layout: panels of 48 output columns, each (k, 48), zero-padded past the total n (a
+        flat tensor of ceil(n / 48) * 48 * k floats). Each weight is packed at its column offset,
+        with no concatenated copy."""
+        k = weights[0].shape[1]
+        if any(w.dim() != 2 or w.shape[1] != k or w.dtype != torch.float32 for w in weights):
+            raise ValueError(f"pack_weight: fp32 (n, {k}) weights expected, got {[tuple(w.shape) for w in weights]}")
+        n = sum(w.shape[0] for w in weights)
         packed = torch.empty(self._packed_floats(n, k), dtype=torch.float32)
-        self._pack_weight(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+        threads, col = torch.get_num_threads(), 0
+        for weight in weights:
+            weight = weight.detach().contiguous()
+            self._pack_rows(weight.data_ptr(), weight.shape[0], k, packed.data_ptr(), col, threads)
+            col += weight.shape[0]
+        tail = packed.numel() // k - n  # columns of the last panel past n: zeros
+        if tail:
+            self._pack_rows(None, tail, k, packed.data_ptr(), n, threads)
         return packed
 
     def dense(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A source file is compiled once per machine with the C compiler on the PATH (``$CC``, else ``cc``)
 into ``$HYBRIDRL_KERNEL_CACHE`` (default ``~/.cache/hybridrl/kernels``), under a name that hashes
-the source, the flags, the compiler and the CPU, and loaded with ctypes. The machine's own
+the source (with the local headers it includes), the flags, the compiler and the CPU, and loaded with ctypes. The machine's own
 instruction set is tried first (``-march=native``), then portable code. Used by the rollout's decode
 kernels (``hybridrl.rollout.cpu_kernels``) and the trainer's attention (``hybridrl.engine.cpu_attention``).
 """
@@ -13,12 +13,13 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["FLAGS", "build_library", "cache_dir"]
+__all__ = ["FLAGS", "build_library", "cache_dir", "source_bytes"]
 
 # -ffast-math lets the compiler vectorise the sums and call the vector expf; contraction into fused
 # multiply-adds and reciprocal tricks are turned back off so products and divisions round as torch's do.
@@ -63,13 +64,32 @@ def _build(cc: str, source: Path, flags: list[str], libs: list[str], target: Pat
             os.unlink(tmp)
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path, _seen: set[Path] | None = None) -> bytes:
+    """The source and, after it, every local header it includes (``#include "..."``, resolved from
+    the including file's folder, recursively, each once): what a build depends on, so a change to a
+    shared header rebuilds every source that includes it."""
+    seen = set() if _seen is None else _seen
+    source = Path(source).resolve()
+    seen.add(source)
+    code = source.read_bytes()
+    parts = [code]
+    for name in _LOCAL_INCLUDE.findall(code):
+        header = (source.parent / name.decode()).resolve()
+        if header not in seen and header.is_file():
+            parts.append(source_bytes(header, seen))
+    return b"\0".join(parts)
+
+
 def build_library(source: Path, what: str) -> ctypes.CDLL:
     """Compile (or reuse) ``source`` and load it; raises RuntimeError with the compiler's messages,
     naming ``what`` (e.g. "the CPU decode kernels"), when no variant builds and loads."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         raise RuntimeError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r} on PATH)")
-    code = Path(source).read_bytes()
+    code = source_bytes(source)
     compiler, cpu = _compiler_id(cc), _cpu_id()
     errors = []
     # the machine's own instruction set first; then portable code; glibc's vector expf where present

@@ -145,6 +145,34 @@ def test_dense_packing_is_panels_of_48_columns(dense_kernels):
     assert torch.equal(packed[1, :, :2], weight[48:].T) and (packed[1, :, 2:] == 0).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [(128, 64, 64), (96, 32, 32, 1), (20, 30, 7), (16, 5, 48, 33), (200,)],
+                         ids=["qkv-16-aligned", "tail-block", "unaligned", "mixed", "one"])
+@pytest.mark.parametrize("k", [3, 16, 37, 576])
+def test_packing_several_weights_equals_packing_their_concatenation(dense_kernels, rows, k, threads):
+    # offsets that are multiples of 16 take the register transposes (with a partial last block of 16
+    # rows, which must not write into the next weight's columns); the others go element by element
+    gen = torch.Generator().manual_seed(sum(rows) * k)
+    weights = [torch.randn(n, k, generator=gen) for n in rows]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = dense_kernels.pack_weight(*weights)
+    finally:
+        torch.set_num_threads(previous)
+    full = torch.cat(weights)
+    panels = -(-full.shape[0] // 48)
+    expected = torch.zeros(panels * 48, k)
+    expected[: full.shape[0]] = full
+    assert torch.equal(together.view(panels, k, 48), expected.view(panels, 48, k).transpose(1, 2))
+    assert torch.equal(together, dense_kernels.pack_weight(full))
+
+
+def test_packing_refuses_weights_of_different_widths(dense_kernels):
+    with pytest.raises(ValueError, match=r"\(n, 4\) weights expected, got \[\(2, 4\), \(3, 5\)\]"):
+        dense_kernels.pack_weight(torch.zeros(2, 4), torch.zeros(3, 5))
+
+
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
 def test_decode_moves_to_the_dense_kernel_as_rows_finish(dense_kernels, monkeypatch, backend):
     # 20 prompts x 4 samples = 80 rows: MKL's packing first (or, where oneDNN is the CPU matmul backend,
