@@ -12,6 +12,7 @@ is logged once) and the decoder keeps its torch ops. ``HYBRIDRL_CPU_KERNELS=0`` 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -34,7 +35,46 @@ _SIGNATURES = {
     "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
                             _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
+    "hr_decode_layers": [_PTR] * 7 + [_I64] * 6 + [_PTR] * 4 + [_I64] * 4 + [_PTR] + [_I64] * 4
+                        + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
 }
+
+
+@dataclasses.dataclass
+class DecodeTables:
+    """What `CpuKernels.decode_layers` reads per layer, as raw pointers: made once per packing of the
+    weights (`decode_tables`), whose tensors it keeps alive."""
+
+    layers: int
+    qkv_width: int
+    inter: int
+    weights: torch.Tensor  # (L, 8) int64: packed qkv, bias, o, bias, gate_up, bias, down, bias (0: no bias)
+    norms: torch.Tensor  # (L, 2) int64: post-attention norm weight, the next norm's weight
+    eps: torch.Tensor  # (L, 2) float32: their epsilons
+    keep: list  # the tensors pointed to
+
+
+def decode_tables(layers: list[dict[str, torch.Tensor | None]], norms: list[tuple[torch.Tensor, float]]) -> DecodeTables:
+    """Tables for `CpuKernels.decode_layers`: ``layers`` one dict per layer with the packed "qkv", "o",
+    "gate_up", "down" and their biases "qkv_b" ... (None: no bias), plus "qkv_width" and "inter"
+    (ints); ``norms`` the 2 L + 1 norms (weight, eps) in the order the step applies them: layer 0's
+    input norm, then per layer its post-attention norm and the next one."""
+    names = ("qkv", "qkv_b", "o", "o_b", "gate_up", "gate_up_b", "down", "down_b")
+    keep = [t for layer in layers for t in (layer[name] for name in names) if t is not None]
+    keep += [weight for weight, _ in norms]
+    if len(norms) != 2 * len(layers) + 1 or len({(int(x["qkv_width"]), int(x["inter"])) for x in layers}) != 1:
+        raise ValueError("decode_tables: layers of one shape and 2 L + 1 norms expected")
+    if any(not t.is_contiguous() or t.dtype != torch.float32 or t.device.type != "cpu" for t in keep):
+        raise ValueError("decode_tables: the packed weights, biases and norms must be contiguous fp32 CPU tensors")
+    weights = torch.tensor([[0 if layer[name] is None else layer[name].data_ptr() for name in names]
+                            for layer in layers], dtype=torch.int64)
+    later = norms[1:]
+    return DecodeTables(
+        layers=len(layers), qkv_width=int(layers[0]["qkv_width"]), inter=int(layers[0]["inter"]), weights=weights,
+        norms=torch.tensor([[w.data_ptr() for w, _ in later[2 * i: 2 * i + 2]] for i in range(len(layers))],
+                           dtype=torch.int64),
+        eps=torch.tensor([[e for _, e in later[2 * i: 2 * i + 2]] for i in range(len(layers))], dtype=torch.float32),
+        keep=keep)
 
 
 class CpuKernels:
@@ -53,6 +93,7 @@ class CpuKernels:
         self._select_tokens = lib.hr_select_tokens
         self._pack_rows = lib.hr_pack_rows
         self._dense = lib.hr_dense
+        self._decode_layers = lib.hr_decode_layers
         lib.hr_dense_supported.argtypes, lib.hr_dense_supported.restype = [], _INT
         lib.hr_packed_floats.argtypes, lib.hr_packed_floats.restype = [_I64, _I64], _I64
         self._packed_floats = lib.hr_packed_floats  # the layout's size is the C side's to say
@@ -124,6 +165,38 @@ class CpuKernels:
         self._dense(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
                     out.data_ptr(), torch.get_num_threads())
         return out
+
+    def decode_layers(self, hidden: torch.Tensor, normed: torch.Tensor, rows: int, tables: DecodeTables,
+                      cache: torch.Tensor, prompts: torch.Tensor | None, source: torch.Tensor | None, shared: int,
+                      cos: torch.Tensor, signed_sin: torch.Tensor, valid: torch.Tensor, slot: int,
+                      heads: int, kv_heads: int, scale: float) -> None:
+        """All layers of a decode step in one call (``hr_decode_layers``): the products through `dense`
+        on the packed weights in ``tables``, each layer's `decode_attention`, `add_rms_norm` and
+        `silu_mul`, in the order and with the arguments the per-layer calls take, so the results are
+        the same bits. ``hidden`` (W, E) is updated in place; ``normed`` (W, E) holds layer 0's input
+        norm on entry and the final norm on return; ``rows`` <= W rows are live. ``cache`` is the
+        KV cache's buffer (L, 2, max_rows, kv_heads, S, D), ``prompts`` the shared prompts' store
+        (L, 2, N, kv_heads, P, D) with ``source`` and ``shared`` as for `decode_attention`, or None."""
+        width, embed = hidden.shape
+        d = cos.shape[-1]
+        qkv = hidden.new_empty(width, tables.qkv_width)
+        attn = hidden.new_empty(width, heads * d)
+        proj = hidden.new_empty(width, embed)
+        gate_up = hidden.new_empty(width, 2 * tables.inter)
+        act = hidden.new_empty(width, tables.inter)
+        if prompts is None:
+            p_ptr, p_layer, p_kv, p_row, p_head, src, shared = None, 0, 0, 0, 0, None, 0
+        else:
+            p_ptr, p_layer, p_kv, p_row, p_head = (prompts.data_ptr(), prompts.stride(0), prompts.stride(1),
+                                                   prompts.stride(2), prompts.stride(3))
+            src = source.data_ptr()
+        self._decode_layers(hidden.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(), proj.data_ptr(),
+                            gate_up.data_ptr(), act.data_ptr(), rows, width, tables.layers, embed, tables.qkv_width,
+                            tables.inter, tables.weights.data_ptr(), tables.norms.data_ptr(), tables.eps.data_ptr(),
+                            cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+                            p_ptr, p_layer, p_kv, p_row, p_head, src, shared, cos.data_ptr(), signed_sin.data_ptr(),
+                            valid.data_ptr(), valid.stride(0), slot, heads, kv_heads, d, scale,
+                            torch.get_num_threads())
 
     def select_tokens(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
                       log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -316,10 +316,16 @@ class CompactDecoder:
             cos, sin = model.rotary_emb(hidden, positions[:, None])
             cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
         normed = hidden.new_zeros(hidden.shape)
-        attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
-        act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
         norms = [layer.input_layernorm for layer in model.layers] + [model.norm]
         kernels.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon, normed, n)
+        if self.step_tables is not None:  # packed for `dense`: every layer in one call, the same arithmetic
+            cache = self.cache
+            kernels.decode_layers(hidden, normed, n, self.step_tables, cache.buffer,
+                                  None if cache.source is None else cache.prompt_store, cache.source, cache.shared,
+                                  cos, sin, cache.valid, start, self.num_heads, self.num_kv_heads, self.scaling)
+            return self._head(normed, rows)[:n]
+        attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
+        act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
             qkv = fused.dense("qkv", normed, rows)
             keys, values = self.cache.layer(index)
@@ -383,11 +389,26 @@ class CompactDecoder:
             fused.packed = {name: pack(getattr(fused, name)) for name in ("qkv", "o", "gate_up", "down")}
             fused.kernels = kernels
         self.packing, self.packed_rows = packing, rows
+        if kernels is not None:
+            self.step_tables = self._step_tables()
+
+    def _step_tables(self) -> cpu_kernels.DecodeTables:
+        """`CpuKernels.decode_layers`'s tables for the layers packed for `dense`."""
+        model = self.model.model
+        layers = [dict(fused.packed, qkv_b=fused.qkv_b, o_b=fused.o_b, gate_up_b=fused.gate_up_b,
+                       down_b=fused.down_b, qkv_width=fused.qkv.shape[0], inter=fused.down.shape[1])
+                  for fused in self.layers]
+        norms = [model.layers[0].input_layernorm]
+        for index, layer in enumerate(model.layers):
+            norms += [layer.post_attention_layernorm,
+                      model.layers[index + 1].input_layernorm if index + 1 < len(model.layers) else model.norm]
+        return cpu_kernels.decode_tables(layers, [(norm.weight.detach(), norm.variance_epsilon) for norm in norms])
 
     def _drop_packed(self) -> None:
         for fused in getattr(self, "layers", ()):
             fused.packed, fused.kernels = None, None
         self.packed_head, self.packed_rows, self.packing = None, 0, None
+        self.step_tables: cpu_kernels.DecodeTables | None = None  # set with the packing for `dense`
 
     def _logits(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
         """Final norm, then the lm_head: (b, E) hidden states -> (b, V) logits."""

@@ -173,6 +173,45 @@ def test_packing_refuses_weights_of_different_widths(dense_kernels):
         dense_kernels.pack_weight(torch.zeros(2, 4), torch.zeros(3, 5))
 
 
+@pytest.mark.parametrize("n", [1, 3], ids=["own-prompts", "shared-prompts"])
+def test_one_call_per_decode_step_equals_the_per_layer_calls(dense_kernels, tiny_model, monkeypatch, n):
+    # the layers of a step through hr_decode_layers give the per-layer kernel calls' bits, with biases
+    # (qwen2) and without (llama), rows finishing early (stop tokens), prompts shared by samples or not
+    from hybridrl.rollout import decoder as decoder_module
+
+    params = sampled(n=n, temperature=2.0, stop_token_ids=tuple(range(2, 30)))
+    prompts = make_prompts(num=5, length=7, seed=3)
+    model = copy.deepcopy(tiny_model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # norms and biases of their own per layer (a fresh model's are all 1 / 0)
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+    engine = NativeRolloutEngine(model, fused_kernels=True)
+    calls, steps = [], []
+    decode_layers, decode = engine.decoder.kernels.decode_layers, engine.decoder.decode
+    monkeypatch.setattr(engine.decoder.kernels, "decode_layers", lambda *a, **k: calls.append(a[2]) or decode_layers(*a, **k))
+    monkeypatch.setattr(engine.decoder, "decode", lambda tokens, positions: steps.append(1) or decode(tokens, positions))
+    ours = run(engine, params, prompts)
+    assert len(calls) == len(steps) > 1 and len(set(calls)) >= 2  # every step, and the live rows shrank
+    monkeypatch.setattr(decoder_module.CompactDecoder, "_step_tables", lambda self: None)
+    engine.decoder._drop_packed()
+    per_layer = run(engine, params, prompts)
+    for key, value in ours.items():
+        assert torch.equal(value, per_layer[key]), key
+
+
+def test_decode_tables_refuse_layers_of_different_shapes():
+    layer = {"qkv": torch.zeros(4), "o": torch.zeros(4), "gate_up": torch.zeros(4), "down": torch.zeros(4),
+             "qkv_b": None, "o_b": None, "gate_up_b": None, "down_b": None, "qkv_width": 8, "inter": 4}
+    norms = [(torch.ones(4), 1e-6)] * 5
+    assert cpu_kernels.decode_tables([layer, dict(layer)], norms).weights.shape == (2, 8)
+    with pytest.raises(ValueError, match="layers of one shape"):
+        cpu_kernels.decode_tables([layer, dict(layer, inter=8)], norms)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_kernels.decode_tables([dict(layer, o=torch.zeros(4, 2).t())], norms[:3])
+
+
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
 def test_decode_moves_to_the_dense_kernel_as_rows_finish(dense_kernels, monkeypatch, backend):
     # 20 prompts x 4 samples = 80 rows: MKL's packing first (or, where oneDNN is the CPU matmul backend,
