@@ -171,6 +171,33 @@ def test_gradient_checkpointing_and_bf16_autocast():
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())  # master weights stay fp32
 
 
+@pytest.mark.parametrize("grad_clip", [0.05, 1e6, None], ids=["clipping", "below-the-limit", "no-clip"])
+def test_clipping_gives_clip_grad_norms_numbers(grad_clip, monkeypatch):
+    # the engine skips clip_grad_norm_'s multiplication by a coefficient of 1; parameters after two
+    # steps equal those of torch's clip_grad_norm_ (which always multiplies) bit for bit
+    data = make_batch(batch_size=6, seed=5)
+    tokens = int(data.batch["response_mask"].sum())
+    engine = TrainEngine(build_model(), lr=1e-2, grad_clip=grad_clip)
+    multiplied = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: multiplied.append(1) or clip(*a, **k))
+    norms = [engine.train_step(data, pg_loss_fn(tokens))["grad_norm"] for _ in range(2)]
+    assert len(multiplied) == (2 if grad_clip == 0.05 else 0) and min(norms) > 0.05
+
+    reference = TrainEngine(build_model(), lr=1e-2, grad_clip=grad_clip)
+
+    def torch_clip_and_step():
+        norm = float(torch.nn.utils.clip_grad_norm_(reference.model.parameters(), max_norm=reference.grad_clip))
+        reference.optimizer.step()
+        reference.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    monkeypatch.setattr(reference, "_clip_and_step", torch_clip_and_step)
+    assert [reference.train_step(data, pg_loss_fn(tokens))["grad_norm"] for _ in range(2)] == norms
+    ours, theirs = params_of(engine.model), params_of(reference.model)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
 def test_non_finite_grad_norm_skips_the_step():
     engine = TrainEngine(build_model(), lr=1e-2)
     before = params_of(engine.model)
