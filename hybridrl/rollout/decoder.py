@@ -15,7 +15,7 @@ repeating keys. This removes most of HF's per-step Python and mask-building work
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,11 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the tiny model 1.17 vs 1.24 ms at 128).
 DENSE_KERNEL_MAX_ROWS = 64
 DENSE_KERNEL_MAX_ROWS_ONEDNN = 128
+# A prefill of up to this many tokens, ahead of decode steps on the kernels' `dense`, runs its products
+# there too. Zen 5, one thread, GFLOP/s kernel / oneDNN: SmolLM2's shapes at 144 rows 209-223 / 193-209,
+# the tiny model's at 224 rows 189-220 / 174-214; past about 1000 rows oneDNN is as fast or (inputs 128
+# wide) 10-20% faster.
+PREFILL_DENSE_MAX_TOKENS = 256
 
 
 def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
@@ -54,34 +59,55 @@ def supports_compact(model: PreTrainedModel) -> tuple[bool, str]:
     return True, ""
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
 @dataclass
 class _FusedLayer:
-    """One decoder layer's weights, q/k/v and gate/up concatenated along the output dimension.
+    """One decoder layer's four products, q/k/v and gate/up each one product over their weights
+    stacked along the output dimension.
 
-    Two layouts (``out_in``). Packed decoding keeps nn.Linear's own (out, in) layout: MKL packs a
-    contiguous (out, in) matrix about 4x faster than a transposed one, o/down are then the model's
-    own tensors (no copy at all), and prefill's ``F.linear`` runs as fast as ``x @ W`` at prefill's
-    row counts. Plain decoding stores contiguous (in, out) copies instead, because ``x @ W`` with a
-    row-major (in, out) matrix ran up to ~1.5x faster than ``F.linear(x, W)`` for the skinny
-    (32 x 576) decode matmuls on this CPU (MKL/oneDNN fp32, benchmarks/rollout_bench.py's setting).
+    ``sources`` are the model's own (out, in) weights of each product. The kernels' packed layout is
+    made from them directly (`CpuKernels.pack_weight` takes several), so a rollout whose products
+    all run through the kernels never copies them; the single matrix the other products take
+    (`weight`) is made on first use and kept until the next refresh. Two layouts for it
+    (``out_in``). Packed decoding keeps nn.Linear's own (out, in) layout: MKL packs a contiguous
+    (out, in) matrix about 4x faster than a transposed one, o/down are then the model's own tensors
+    (no copy at all), and prefill's ``F.linear`` runs as fast as ``x @ W`` at prefill's row counts.
+    Plain decoding takes contiguous (in, out) copies instead, because ``x @ W`` with a row-major
+    (in, out) matrix ran up to ~1.5x faster than ``F.linear(x, W)`` for the skinny (32 x 576) decode
+    matmuls on this CPU (MKL/oneDNN fp32, benchmarks/rollout_bench.py's setting).
     """
 
-    qkv: torch.Tensor
+    sources: dict[str, list[torch.Tensor]]
     qkv_b: torch.Tensor | None
-    o: torch.Tensor
     o_b: torch.Tensor | None
-    gate_up: torch.Tensor
     gate_up_b: torch.Tensor | None
-    down: torch.Tensor
     down_b: torch.Tensor | None
-    out_in: bool  # matrices in (out, in) layout (else (in, out))
+    out_in: bool  # `weight`'s layout: (out, in) (else (in, out))
     packed: dict[str, torch.Tensor] | None = None  # the four matrices packed for decode (see CompactDecoder)
     kernels: cpu_kernels.CpuKernels | None = None  # set when ``packed`` is in the fused kernels' layout
+    joined: dict[str, torch.Tensor] = field(default_factory=dict)  # `weight`'s matrices made so far
+
+    def out_features(self, name: str) -> int:
+        return sum(w.shape[0] for w in self.sources[name])
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The named product's matrix: the sources concatenated (a single (out, in) source is itself),
+        in ``out_in``'s layout; made once per refresh."""
+        matrix = self.joined.get(name)
+        if matrix is None:
+            matrix = self.joined[name] = _fuse(self.out_in, self.sources[name])
+        return matrix
 
     def dense(self, name: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """x @ the named matrix (+ its bias); packed when ``rows`` (the packed row count) is set."""
-        packed = self.packed[name] if rows else None
-        return _dense(x, getattr(self, name), getattr(self, name + "_b"), self.out_in, packed, rows, self.kernels)
+        """x @ the named matrix (+ its bias); packed when ``rows`` (the products' row count) is set."""
+        bias = getattr(self, name + "_b")
+        if rows and self.kernels is not None:  # the kernels' layout: no joined matrix needed
+            flat = x.reshape(-1, x.shape[-1])
+            out = self.kernels.dense(flat, self.packed[name], self.out_features(name), bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return _dense(x, self.weight(name), bias, self.out_in, self.packed[name] if rows else None, rows)
 
 
 def mkl_packing_supported(weight: torch.Tensor) -> bool:
@@ -117,10 +143,9 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     return out.view(*x.shape[:-1], weight.shape[0] if out_in else weight.shape[1])
 
 
-def _fuse(out_in: bool, *linears: torch.nn.Linear) -> torch.Tensor:
-    """The linears' weights concatenated along out, as a contiguous (out, in) or (in, out) matrix.
-    A single (out, in) weight is the module's own tensor, not a copy."""
-    weights = [lin.weight.detach() for lin in linears]
+def _fuse(out_in: bool, weights: list[torch.Tensor]) -> torch.Tensor:
+    """(out, in) weights concatenated along out, as a contiguous (out, in) or (in, out) matrix. A
+    single (out, in) weight is the tensor itself, not a copy."""
     if out_in:
         return weights[0] if len(weights) == 1 else torch.cat(weights)
     return torch.cat(weights).t().contiguous()
@@ -243,20 +268,18 @@ class CompactDecoder:
         """Rebuild the fused weights from the model's current parameters (after a weight update)."""
         self._drop_packed()
         self.layers = []
-        out_in = self.pack_weights
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
+            linears = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "o": (a.o_proj,), "gate_up": (m.gate_proj, m.up_proj),
+                       "down": (m.down_proj,)}
             self.layers.append(
                 _FusedLayer(
-                    qkv=_fuse(out_in, a.q_proj, a.k_proj, a.v_proj),
+                    sources={name: [lin.weight.detach() for lin in group] for name, group in linears.items()},
                     qkv_b=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    o=_fuse(out_in, a.o_proj),
                     o_b=a.o_proj.bias,
-                    gate_up=_fuse(out_in, m.gate_proj, m.up_proj),
                     gate_up_b=_cat_bias(m.gate_proj, m.up_proj),
-                    down=_fuse(out_in, m.down_proj),
                     down_b=m.down_proj.bias,
-                    out_in=out_in,
+                    out_in=self.pack_weights,
                 )
             )
 
@@ -280,7 +303,15 @@ class CompactDecoder:
         causal = torch.ones(plen, plen, dtype=torch.bool, device=input_ids.device).tril()
         # Pad queries (left padding) would see no key at all and give NaN: let them see themselves.
         mask = (causal & key_ok[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=input_ids.device)
-        hidden = self._forward(input_ids, position_ids, mask[:, None], start=0)
+        # a prefill of a few hundred tokens whose decode starts on the kernels' `dense` runs its
+        # products there too: packed once for both, no joined q/k/v or gate/up copies made
+        limit, tokens = self._dense_limit(), rows * plen
+        products = 0
+        if tokens <= PREFILL_DENSE_MAX_TOKENS and rows * repeats <= limit:
+            if self.packing != "dense":
+                self._repack("dense", limit)
+            products = tokens
+        hidden = self._forward(input_ids, position_ids, mask[:, None], start=0, rows=products)
         self.cache.length = plen
         self.rope_table = None
         if self.kernels is not None and self.rope_tabulated:
@@ -362,41 +393,54 @@ class CompactDecoder:
         self._drop_packed()
         self.rope_table = None
 
+    def _dense_limit(self) -> int:
+        """Most rows a decode step runs through the kernels' `dense`; 0 where it does not run."""
+        if not (self.pack_weights and self.kernels is not None and self.kernels.dense_supported):
+            return 0
+        return DENSE_KERNEL_MAX_ROWS_ONEDNN if cpu_matmul.backend() == "onednn" else DENSE_KERNEL_MAX_ROWS
+
     def _packed_rows_for(self, rows: int) -> int:
         """The matmuls' row count for a decode step of ``rows`` rows (packing first if needed): ``rows``
         itself with the fused kernels' packing, MKL's packed row count (rows are zero-padded up to
         it), or 0 for plain ``mm``."""
         if not self.pack_weights:
             return 0
-        onednn = cpu_matmul.backend() == "onednn"
-        limit = DENSE_KERNEL_MAX_ROWS_ONEDNN if onednn else DENSE_KERNEL_MAX_ROWS
-        if self.kernels is not None and self.kernels.dense_supported and rows <= limit:
+        limit = self._dense_limit()
+        if rows <= limit:
             if self.packing != "dense":
-                self._repack("dense", limit, self.kernels.pack_weight)
+                self._repack("dense", limit)
             return rows
-        if onednn:  # oneDNN's plain product outruns MKL's packed one where it was chosen (about 2x on AMD)
+        if cpu_matmul.backend() == "onednn":  # oneDNN's plain product outruns MKL's packed one (about 2x on AMD)
             return 0
         if self.packing != "mkl" or rows > self.packed_rows or 2 * rows <= self.packed_rows:
-            self._repack("mkl", rows, lambda weight: _pack(weight, rows))
+            self._repack("mkl", rows)
         return self.packed_rows
 
-    def _repack(self, packing: str, rows: int, pack) -> None:
-        """Pack the four layer matrices and the LM head with ``pack`` (weight -> packed tensor)."""
+    def _repack(self, packing: str, rows: int) -> None:
+        """Pack the four layer matrices and the LM head: "dense" in the kernels' layout, straight from
+        the model's weights (``rows`` is then the most rows a step runs through it), or "mkl" in MKL's
+        for exactly ``rows`` rows, from the joined matrices."""
         self._drop_packed()  # the old packing goes first, so both never coexist in memory
-        kernels = self.kernels if packing == "dense" else None
-        self.packed_head = pack(self.model.lm_head.weight.detach())
-        for fused in self.layers:
-            fused.packed = {name: pack(getattr(fused, name)) for name in ("qkv", "o", "gate_up", "down")}
-            fused.kernels = kernels
-        self.packing, self.packed_rows = packing, rows
-        if kernels is not None:
+        head = self.model.lm_head.weight.detach()
+        if packing == "dense":
+            kernels = self.kernels
+            self.packed_head = kernels.pack_weight(head)
+            for fused in self.layers:
+                fused.packed = {name: kernels.pack_weight(*fused.sources[name]) for name in PRODUCTS}
+                fused.kernels = kernels
             self.step_tables = self._step_tables()
+        else:
+            self.packed_head = _pack(head, rows)
+            for fused in self.layers:
+                fused.packed = {name: _pack(fused.weight(name), rows) for name in PRODUCTS}
+        self.packing, self.packed_rows = packing, rows
 
     def _step_tables(self) -> cpu_kernels.DecodeTables:
         """`CpuKernels.decode_layers`'s tables for the layers packed for `dense`."""
         model = self.model.model
         layers = [dict(fused.packed, qkv_b=fused.qkv_b, o_b=fused.o_b, gate_up_b=fused.gate_up_b,
-                       down_b=fused.down_b, qkv_width=fused.qkv.shape[0], inter=fused.down.shape[1])
+                       down_b=fused.down_b, qkv_width=fused.out_features("qkv"),
+                       inter=fused.sources["down"][0].shape[1])
                   for fused in self.layers]
         norms = [model.layers[0].input_layernorm]
         for index, layer in enumerate(model.layers):

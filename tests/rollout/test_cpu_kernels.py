@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hybridrl.rollout import NativeRolloutEngine, SamplingParams, cpu_kernels, sampling
 from hybridrl.rollout.decoder import CompactDecoder, _rotate, _signed_sin
-from tests.rollout.test_native_engine import EOS, build_tiny, make_prompts, run, sampled
+from tests.rollout.test_native_engine import EOS, build_tiny, greedy, make_prompts, run, sampled
 
 pytestmark = pytest.mark.component
 
@@ -199,6 +199,29 @@ def test_one_call_per_decode_step_equals_the_per_layer_calls(dense_kernels, tiny
     per_layer = run(engine, params, prompts)
     for key, value in ours.items():
         assert torch.equal(value, per_layer[key]), key
+
+
+def test_a_small_prefill_runs_on_the_packed_weights(dense_kernels, tiny_model, monkeypatch):
+    # prompts of a few hundred tokens ahead of decode steps on the kernels: the prefill's products run
+    # on the packed weights too, and no joined q/k/v or gate/up matrix is made; a larger prefill takes
+    # oneDNN's / torch's products on the joined matrices; the tokens are the same
+    from hybridrl.rollout import decoder as decoder_module
+
+    prompts = make_prompts(num=6, length=9, seed=4)
+    engine = NativeRolloutEngine(tiny_model, fused_kernels=True)
+    calls = []
+    dense = engine.decoder.kernels.dense
+    monkeypatch.setattr(engine.decoder.kernels, "dense", lambda x, *a: calls.append(x.shape[0]) or dense(x, *a))
+    small = run(engine, greedy(n=2), prompts)
+    assert 6 * 9 in calls  # the prefill's rows through the kernel
+    assert all(not layer.joined for layer in engine.decoder.layers)
+    monkeypatch.setattr(decoder_module, "PREFILL_DENSE_MAX_TOKENS", 6 * 9 - 1)
+    calls.clear()
+    large = run(engine, greedy(n=2), prompts)
+    assert 6 * 9 not in calls and all(set(layer.joined) == {"qkv", "o", "gate_up", "down"}
+                                      for layer in engine.decoder.layers)
+    assert torch.equal(small["responses"], large["responses"])
+    torch.testing.assert_close(small["rollout_log_probs"], large["rollout_log_probs"], rtol=0, atol=1e-5)
 
 
 def test_decode_tables_refuse_layers_of_different_shapes():

@@ -256,13 +256,15 @@ def test_packed_layout_reuses_the_model_weights(tiny_model):
     # weight update), q/k/v and gate/up one concatenated copy; the plain path keeps (in, out) copies
     attn, mlp = tiny_model.model.layers[0].self_attn, tiny_model.model.layers[0].mlp
     packed = NativeRolloutEngine(tiny_model, pack_weights=True).decoder.layers[0]
-    assert packed.o.data_ptr() == attn.o_proj.weight.data_ptr()
-    assert packed.down.data_ptr() == mlp.down_proj.weight.data_ptr()
-    assert torch.equal(packed.qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert torch.equal(packed.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert packed.weight("o").data_ptr() == attn.o_proj.weight.data_ptr()
+    assert packed.weight("down").data_ptr() == mlp.down_proj.weight.data_ptr()
+    qkv = packed.weight("qkv")
+    assert torch.equal(qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert packed.weight("qkv") is qkv  # made once per refresh
+    assert torch.equal(packed.weight("gate_up"), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     plain = NativeRolloutEngine(tiny_model, pack_weights=False).decoder.layers[0]
-    assert plain.o.data_ptr() != attn.o_proj.weight.data_ptr() and plain.o.is_contiguous()
-    assert torch.equal(plain.gate_up, packed.gate_up.t())
+    assert plain.weight("o").data_ptr() != attn.o_proj.weight.data_ptr() and plain.weight("o").is_contiguous()
+    assert torch.equal(plain.weight("gate_up"), packed.weight("gate_up").t())
 
 
 def test_pack_weights_needs_fp32_cpu_and_the_compact_decoder(tiny_model):
