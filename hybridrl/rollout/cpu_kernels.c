@@ -272,15 +272,15 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
 #pragma omp parallel num_threads(nthreads) if (rows * vocab >= (1 << 16))
     {
         int64_t blocks = (vocab + SCAN_BLOCK - 1) / SCAN_BLOCK;
-        float *scaled = (float *)malloc(sizeof(float) * (size_t)vocab);
+        float *buffer = temperature != 1.f ? (float *)malloc(sizeof(float) * (size_t)vocab) : NULL;
         float *block_sums = (float *)malloc(sizeof(float) * (size_t)blocks);
+        float weights[SCAN_BLOCK];
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const float *x = logits + r * vocab;
-            if (temperature != 1.f) {
-                for (int64_t i = 0; i < vocab; i++) scaled[i] = x[i] / temperature;
-            } else {
-                memcpy(scaled, x, sizeof(float) * (size_t)vocab);
+            const float *x = logits + r * vocab, *scaled = x; /* temperature 1: the logits themselves */
+            if (buffer) {
+                for (int64_t i = 0; i < vocab; i++) buffer[i] = x[i] / temperature;
+                scaled = buffer;
             }
             float top = scaled[0];
             for (int64_t i = 1; i < vocab; i++) top = scaled[i] > top ? scaled[i] : top;
@@ -300,11 +300,14 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
                 double target = (double)uniforms[r] * total, running = 0.;
                 int64_t b = 0;
                 while (b < blocks - 1 && running + block_sums[b] < target) running += block_sums[b++];
-                int64_t end = (b + 1) * SCAN_BLOCK < vocab ? (b + 1) * SCAN_BLOCK : vocab;
+                int64_t first = b * SCAN_BLOCK, end = first + SCAN_BLOCK < vocab ? first + SCAN_BLOCK : vocab;
                 token = -1;
                 int64_t last = -1;
-                for (int64_t i = b * SCAN_BLOCK; i < end; i++) {
-                    float weight = expf(scaled[i] - top);
+                /* the block's weights in one vectorised pass (the same exp as the block sums), then
+                 * the running sum token by token (a scalar exp per token took most of a tiny-model row) */
+                for (int64_t i = first; i < end; i++) weights[i - first] = expf(scaled[i] - top);
+                for (int64_t i = first; i < end; i++) {
+                    float weight = weights[i - first];
                     if (weight <= 0.f) continue;
                     last = i;
                     running += weight;
@@ -325,7 +328,7 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
             tokens[r] = token;
             if (log_probs) log_probs[r] = (float)((double)(scaled[token] - top) - log(total));
         }
-        free(scaled);
+        free(buffer);
         free(block_sums);
     }
 }
