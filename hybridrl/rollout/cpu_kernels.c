@@ -334,7 +334,7 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode matmuls: out (m, n) = x (m, k) @ W^T (+ bias), W (n, k) packed by hr_pack_weight.
+ * Decode matmuls: out (m, n) = x (m, k) @ W^T (+ bias), W (n, k) packed by hr_pack_rows.
  *
  * A decode step multiplies a few dozen rows by every weight matrix, so each weight is read from
  * memory once per step and used for only 2m FLOPs per element: reading and arithmetic take about
@@ -350,14 +350,15 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
 #define HR_KC 64   /* k steps per chunk for up to 4 tiles (12 KB); twice that for more tiles */
 #define HR_TILES 8 /* tiles per row block: more rows are done in blocks of 64, re-reading W */
 
-/* Floats hr_pack_weight writes for an (n, k) weight: n rounded up to whole panels, times k. */
+/* Floats hr_pack_rows fills for an (n, k) weight: n rounded up to whole panels, times k. */
 int64_t hr_packed_floats(int64_t n, int64_t k) { return (n + HR_NR - 1) / HR_NR * HR_NR * k; }
 
 /* Rows [0, n) of w (n, k) row-major (NULL: zeros) as columns [col0, col0 + n) of a packed matrix: panels
  * of HR_NR columns, each (k, HR_NR) contiguous. Several weights stacked along n (q, k and v; gate and
  * up) pack side by side at their column offsets, with no concatenated copy first. With AVX-512 and
  * col0 a multiple of 16, 16 x 16 blocks are transposed in registers (element by element, a SmolLM2
- * repack after every weight update took 100-120 ms). */
+ * repack after every weight update took 100-120 ms, 53 ms so). The next block of rows is requested
+ * while this one is transposed: the 16 row streams alone left the reads waiting (53 -> 25 ms). */
 void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0, int nthreads) {
 #if defined(__AVX512F__)
     if (col0 % 16 == 0) {
@@ -367,8 +368,13 @@ void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0
             int64_t r0 = 16 * b, nr = n - r0 < 16 ? n - r0 : 16, col = col0 + r0;
             float *dst = out + col / HR_NR * k * HR_NR + col % HR_NR;
             __mmask16 rm = lanes(nr);
+            /* the next block of rows (16 k contiguous floats) requested a share per column block */
+            const char *next = (const char *)(w ? w + (r0 + 16) * k : NULL);
+            int64_t lines = b + 1 < blocks ? 16 * k * 4 / 64 : 0, per = (lines * 16 + k - 1) / k, issued = 0;
             for (int64_t c0 = 0; c0 < k; c0 += 16) {
                 int64_t nc = k - c0 < 16 ? k - c0 : 16;
+                for (int64_t i = 0; i < per && issued < lines && next; i++, issued++)
+                    _mm_prefetch(next + issued * 64, _MM_HINT_T0);
                 __m512 r[16];
                 if (w) {
                     load_block16(w + r0 * k + c0, k, nr, nc, r);
@@ -429,7 +435,7 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
 }
 
-/* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_weight.
+/* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_rows.
  * Threads split the panels (output columns); each streams its own contiguous part of `packed`. */
 void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
               int nthreads) {
