@@ -128,9 +128,11 @@ def test_usable_and_hf_attention_hand_over_to_sdpa():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (1, 37), (37, 1), (16, 16), (33, 50), (656, 192), (100, 130)])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (1, 37), (37, 1), (16, 16), (33, 50), (656, 192), (100, 130),
+                                           (2048, 1030), (2050, 1024)])
 def test_transposed_equals_torchs_transposed_copy(rows, cols, threads):
-    # whole 16 x 16 blocks, tails in either dimension, single rows and columns, a row stride past the width
+    # whole 16 x 16 blocks, tails in either dimension, single rows and columns, a row stride past the
+    # width; past 2 M floats with whole blocks of rows the streaming stores, and without them
     x = torch.randn(rows, cols + 3, generator=torch.Generator().manual_seed(rows * cols))[:, :cols]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -142,8 +144,7 @@ def test_transposed_equals_torchs_transposed_copy(rows, cols, threads):
 
 
 def test_transposed_hands_other_tensors_to_torch():
-    for x in (torch.randn(5, 7).t(), torch.randn(4, 6, dtype=torch.float64), torch.zeros(0, 3),
-              torch.randn(cpu_attention.TRANSPOSE_MAX_FLOATS // 64 + 1, 64)):
+    for x in (torch.randn(5, 7).t(), torch.randn(4, 6, dtype=torch.float64), torch.zeros(0, 3)):
         assert torch.equal(cpu_attention.transposed(x), x.t().contiguous())
 
 
