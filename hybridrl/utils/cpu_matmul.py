@@ -160,24 +160,25 @@ def _(x, weight, bias):
 
 
 # How the weight gradient grad^T x of grad (m, out), x (m, in) is computed (``_weight_grad_op``):
-# oneDNN's weight-gradient primitive reads both operands as they are but copies them into its own
-# tensors first (``to_mkldnn``) and its result out again; an inner product needs one operand
-# transposed in memory. Best times on a Zen 5, one thread (GFLOP/s, primitive / inner product on the
-# transposed grad / on the transposed x): SmolLM2's update (m = 656) 180-186 / 188-207 / 168-183
-# (the (49152, 576) LM head 187 / 191 / 154); the tiny model's (m = 8320, in = 128) q 118 / 140 /
-# 119, gate and up (out 384) 97 / 80 / 124, LM head (out 1024) 137 / 115 / 155; the 25M model's
-# (m = 4144) down projection (in 1536) 180 / 170 / 167. So: the primitive for many rows of a wide
-# input, else the inner product, on the transposed x when the input is narrow and the output at
-# least twice as wide (the smaller copy), else on the transposed grad.
-WEIGHT_GRAD_TRANSPOSE_MAX_ROWS = 1024
+# an inner product needs one operand transposed in memory (`cpu_attention.transposed`, a blocked
+# register transpose). oneDNN's weight-gradient primitive reads both operands as they are, but copies
+# them into its own tensors first (``to_mkldnn``) and its result out again; it led at many rows of a
+# wide input until the transposes read ahead and streamed their large outputs (2026-12-02). Best of 9
+# on a Zen 5, one thread, GFLOP/s primitive / inner product on the transposed x / on the transposed
+# grad: the tiny model's down projection (8288 rows, in 384, out 128) 142-158 / 145-162 / 170-183;
+# the 25M model's (4144 rows) q 161 / 174 / 186, k and v 149 / 160 / 175, gate and up 147-162 /
+# 158-169 / 165-185, LM head 172 / 186 / 187, down 172-174 / 177-180 / 169-181; SmolLM2's (656 rows)
+# 163 / 177 / 199 (down); whole updates alternating in one process, primitive vs transposed grad at
+# those shapes: tiny 0.418 -> 0.405 s, 25M 3.89 -> 3.75 s (medians). Earlier, before the faster
+# transposes: the tiny model's q 118 / 119 / 140, gate and up (out 384) 97 / 124 / 80, LM head (out
+# 1024) 137 / 155 / 115. So: the transposed x when the input is narrow and the output at least
+# twice as wide (the smaller copy), else the transposed grad.
 WEIGHT_GRAD_NARROW_INPUT = 256
 
 
 def weight_grad_plan(rows: int, out: int, inner: int) -> str:
     """How ``_weight_grad_op`` computes the weight gradient of ``rows`` rows of a linear (inner -> out):
-    "primitive", "transposed x" or "transposed grad" (the table above)."""
-    if rows > WEIGHT_GRAD_TRANSPOSE_MAX_ROWS and inner > WEIGHT_GRAD_NARROW_INPUT:
-        return "primitive"
+    "transposed x" or "transposed grad" (the table above)."""
     if inner <= WEIGHT_GRAD_NARROW_INPUT and out >= 2 * inner:  # x^T (in, m) is the smaller copy
         return "transposed x"
     return "transposed grad"
@@ -190,14 +191,9 @@ def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     x (m, in), by the product ``weight_grad_plan`` picks for the shape."""
     if grad.shape[0] == 0:
         return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
-    plan = weight_grad_plan(grad.shape[0], grad.shape[1], x.shape[1])
-    if plan == "primitive":
-        grad_w, grad_b = torch.ops.aten.mkldnn_linear_backward_weights(
-            grad.contiguous().to_mkldnn(), x.contiguous().to_mkldnn(), weight, with_bias)
-        return grad_w, grad_b if with_bias else grad.new_empty(0)
     from hybridrl.engine.cpu_attention import transposed  # here: hybridrl.engine imports this module
 
-    if plan == "transposed x":  # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
+    if weight_grad_plan(grad.shape[0], grad.shape[1], x.shape[1]) == "transposed x":  # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
         grad_w = transposed(_onednn(transposed(x), grad.t(), None))
     else:  # grad^T (out, m) @ x: the inner product reads x^T in place
         grad_w = _onednn(transposed(grad), x.t(), None)
