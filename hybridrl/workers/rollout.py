@@ -87,7 +87,7 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
-        """Stream the actor's full parameters, one tensor at a time, into the rollout model."""
+        """Stream the actor's full parameters (gathered a bucket at a time) into the rollout model."""
         if self.actor is None:
             raise RuntimeError("sync_weights needs the actor colocated with the rollout")
         self.engine.update_weights(self.actor.engine.iter_full_params())

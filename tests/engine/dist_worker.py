@@ -11,9 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import build_model, make_batch, make_group_batch, params_of, pg_loss_fn  # noqa: E402
+from helpers import VOCAB, build_model, make_batch, make_group_batch, params_of, pg_loss_fn  # noqa: E402
 
 from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
+from hybridrl.engine import checkpoint as ckpt  # noqa: E402
 from hybridrl.engine.packing import real_lengths  # noqa: E402
 from hybridrl.engine.seqlen_balancing import partition_micro_batches  # noqa: E402
 from hybridrl.utils import cpu_matmul  # noqa: E402
@@ -44,6 +45,22 @@ def main(out: Path) -> None:
     engine.save_checkpoint(out / "ckpt")
     m2 = engine.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
     full = {name: (tuple(t.shape), t.clone()) for name, t in engine.iter_full_params()}
+    # bucketed gathers (one tensor a bucket, a few, all at once) against one full_tensor() per tensor;
+    # an odd vocabulary and key/value width shard unevenly (rank 1 gets fewer rows)
+    odd = TrainEngine(build_model(vocab_size=VOCAB + 3, hidden_size=35, num_attention_heads=5,
+                                  num_key_value_heads=1), lr=0.0)
+    buckets_equal = []
+    for eng in (engine, odd):
+        singly = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                  for name, t in ckpt._named_state_tensors(eng.model)}
+        for bucket_bytes in (0, 4096, 1 << 30):
+            got = list(ckpt.iter_full_tensors(eng.model, bucket_bytes=bucket_bytes))
+            buckets_equal.append([n for n, _ in got] == list(singly)
+                                 and all(torch.equal(t, singly[n]) for n, t in got))
+    uneven = [n for n, p in odd.model.named_parameters() if p.shape[0] % world]
+    # the split the buckets assume is FSDP2's (else they fall back to one full_tensor() each)
+    split_rule = all(ckpt._shard_rows(p.shape[0], world)[rank] == p.to_local().shape[0]
+                     for eng in (engine, odd) for p in eng.model.parameters())
     engine.export_hf(out / "hf")
 
     resumed = TrainEngine(build_model(seed=5), lr=1e-3, grad_clip=0.5)
@@ -75,7 +92,7 @@ def main(out: Path) -> None:
             "mixed_log_probs": mixed.batch["log_probs"], "mixed_computed": mixed.meta_info["computed_tokens"],
             "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
             "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
-            "full": full, "local_shapes": local_shapes, "local_count": local_count,
+            "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
             "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
             "matmul_backend": cpu_matmul.backend(),
             "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),

@@ -143,6 +143,16 @@ def test_iter_full_params_gives_full_shapes_on_every_rank(two_ranks, single):
     assert sharded, "FSDP2 should hold only a shard of each parameter per rank"
 
 
+def test_bucketed_gathers_give_each_tensors_full_tensor(two_ranks):
+    # iter_full_tensors gathers dim-0 shards a bucket at a time in one all-gather; the same names in
+    # module order and the same bits as one full_tensor() each, for one tensor a bucket, a few, and
+    # all, on the test model and on one whose odd widths shard unevenly
+    ranks, _ = two_ranks
+    for res in ranks:
+        assert res["buckets_equal"] == [True] * 6
+        assert len(res["uneven"]) >= 3 and res["split_rule"]
+
+
 def test_checkpoint_resume_at_world_size_2_is_bit_identical(two_ranks):
     ranks, _ = two_ranks
     for res in ranks:
