@@ -3,7 +3,8 @@
 ``cpu_kernels.c`` holds three kernels for each layer (residual add + RMSNorm, SiLU-and-multiply,
 and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, one
 for token selection (sampling or greedy, with the token's log-prob) that replaces about ten, and the
-decode matmuls (`CpuKernels.dense`, AVX-512 builds only) on weights packed once per weight update. They
+decode matmuls (`CpuKernels.dense`, AVX-512 builds only) on weights packed once per weight update;
+with those, `CpuKernels.decode_layers` runs all of a step's layers in one call. They
 are compiled once per machine by ``hybridrl.utils.native_build`` (the C compiler on the PATH, into
 ``$HYBRIDRL_KERNEL_CACHE``) and loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
 is logged once) and the decoder keeps its torch ops. ``HYBRIDRL_CPU_KERNELS=0`` turns them off.
