@@ -139,23 +139,23 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None,
     bucket: list[tuple[str, DTensor]] = []
     size = 0
     for name, tensor in _named_state_tensors(model):
-        joins = _bucketable(tensor) and (not bucket or _same_bucket(bucket[0][1], tensor))
-        if bucket and (not joins or size + _nbytes(tensor) > bucket_bytes):
+        bucketable, nbytes = _bucketable(tensor), tensor.numel() * tensor.element_size()
+        if bucket and not (bucketable and _same_bucket(bucket[0][1], tensor) and size + nbytes <= bucket_bytes):
             yield from _gathered(bucket, dtype)
             bucket, size = [], 0
-        if _bucketable(tensor):
+        if bucketable:
             bucket.append((name, tensor))
-            size += _nbytes(tensor)
-            continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        full = full.detach()
-        yield name, (full.to(dtype) if dtype is not None else full)
+            size += nbytes
+        else:
+            yield name, _full(tensor, dtype)
     if bucket:
         yield from _gathered(bucket, dtype)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The whole tensor (a DTensor gathered on its own), detached, in ``dtype`` when given."""
+    full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+    return full.to(dtype) if dtype is not None else full
 
 
 def _bucketable(tensor: torch.Tensor) -> bool:
@@ -190,8 +190,7 @@ def _gathered(bucket: list[tuple[str, DTensor]], dtype: torch.dtype | None) -> I
     if any(part.numel() != count[rank] for part, count in zip(local, counts)):
         # not the split assumed above (another sharding rule): gather these one at a time instead
         for name, tensor in bucket:
-            full = tensor.full_tensor().detach()
-            yield name, (full.to(dtype) if dtype is not None else full)
+            yield name, _full(tensor, dtype)
         return
     length = max(sum(count[r] for count in counts) for r in range(world))
     first = local[0]
@@ -208,8 +207,7 @@ def _gathered(bucket: list[tuple[str, DTensor]], dtype: torch.dtype | None) -> I
         for r in range(world):
             pieces.append(received[r, starts[r]: starts[r] + count[r]])
             starts[r] += count[r]
-        full = torch.cat(pieces).view(tensor.shape)
-        yield name, (full.to(dtype) if dtype is not None else full)
+        yield name, _full(torch.cat(pieces).view(tensor.shape), dtype)
 
 
 def export_hf(path, model: nn.Module, tokenizer=None, dtype=None, max_shard_bytes: int = 2**30, group=None) -> None:

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, load_block16 */
+#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, transpose_rows16 */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -523,27 +523,12 @@ void hr_token_logprob_backward(const float *logits, const int64_t *targets, cons
 void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float *out, int nthreads) {
     int64_t row_blocks = (rows + 15) / 16;
     int stream = rows * cols >= TRANSPOSE_STREAM_FLOATS && ((uintptr_t)out & 63) == 0 && (rows & 15) == 0;
+    int64_t lines = (cols * 4 + 63) / 64, per = 16 * ((lines + 15) / 16); /* all of them in 16 column blocks */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < row_blocks; b++) {
         int64_t r0 = 16 * b, nr = rows - r0 < 16 ? rows - r0 : 16;
-        __mmask16 rm = lanes(nr);
-        const float *next = x + (r0 + 16) * xs; /* a prefetch never faults: past the end it is harmless */
-        int64_t lines = b + 1 < row_blocks ? (cols * 4 + 63) / 64 : 0, per = 16 * ((lines + 15) / 16);
-        int64_t line = 0, row = 0;
-        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-            int64_t nc = cols - c0 < 16 ? cols - c0 : 16;
-            for (int64_t i = 0; i < per && row < 16; i++) {
-                _mm_prefetch((const char *)(next + row * xs) + line * 64, _MM_HINT_T0);
-                if (++line == lines) line = 0, row++;
-            }
-            __m512 r[16];
-            load_block16(x + r0 * xs + c0, xs, nr, nc, r);
-            transpose16(r);
-            if (stream && nr == 16)
-                for (int64_t i = 0; i < nc; i++) _mm512_stream_ps(out + (c0 + i) * rows + r0, r[i]);
-            else
-                for (int64_t i = 0; i < nc; i++) _mm512_mask_storeu_ps(out + (c0 + i) * rows + r0, rm, r[i]);
-        }
+        transpose_rows16(x + r0 * xs, xs, nr, cols, b + 1 < row_blocks ? x + (r0 + 16) * xs : NULL, per, out + r0,
+                         rows, stream && nr == 16);
     }
     if (stream) _mm_sfence();
 }

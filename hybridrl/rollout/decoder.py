@@ -104,9 +104,7 @@ class _FusedLayer:
         """x @ the named matrix (+ its bias); packed when ``rows`` (the products' row count) is set."""
         bias = getattr(self, name + "_b")
         if rows and self.kernels is not None:  # the kernels' layout: no joined matrix needed
-            flat = x.reshape(-1, x.shape[-1])
-            out = self.kernels.dense(flat, self.packed[name], self.out_features(name), bias)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return _kernel_dense(self.kernels, x, self.packed[name], self.out_features(name), bias)
         return _dense(x, self.weight(name), bias, self.out_in, self.packed[name] if rows else None, rows)
 
 
@@ -121,17 +119,20 @@ def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
 
+def _kernel_dense(kernels: cpu_kernels.CpuKernels, x: torch.Tensor, packed: torch.Tensor, n: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) times a weight of ``n`` outputs packed by ``kernels.pack_weight``, + bias."""
+    out = kernels.dense(x.reshape(-1, x.shape[-1]), packed, n, bias)
+    return out.view(*x.shape[:-1], n)
+
+
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_in: bool,
-           packed: torch.Tensor | None = None, rows: int = 0,
-           kernels: cpu_kernels.CpuKernels | None = None) -> torch.Tensor:
-    """x (..., in) times ``weight`` ((out, in) if ``out_in``, else (in, out)) + bias; with ``packed``:
-    ``kernels.pack_weight(weight)`` through ``kernels.dense`` when ``kernels`` is given, else
-    ``_pack(weight, rows)`` (out_in layout) through MKL's packed GEMM, x's rows zero-padded up to
+           packed: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+    """x (..., in) times ``weight`` ((out, in) if ``out_in``, else (in, out)) + bias; with ``packed``
+    (``_pack(weight, rows)``, out_in layout) through MKL's packed GEMM, x's rows zero-padded up to
     ``rows`` (the products of the real rows are unchanged)."""
     flat = x.reshape(-1, x.shape[-1])
-    if packed is not None and kernels is not None:
-        out = kernels.dense(flat, packed, weight.shape[0], bias)
-    elif packed is not None:
+    if packed is not None:
         n = flat.shape[0]
         if n < rows:
             flat = F.pad(flat, (0, 0, 0, rows - n))
@@ -347,8 +348,8 @@ class CompactDecoder:
             cos, sin = model.rotary_emb(hidden, positions[:, None])
             cos, sin = cos[:, 0].contiguous(), _signed_sin(sin[:, 0]).contiguous()
         normed = hidden.new_zeros(hidden.shape)
-        norms = [layer.input_layernorm for layer in model.layers] + [model.norm]
-        kernels.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon, normed, n)
+        first = model.layers[0].input_layernorm
+        kernels.add_rms_norm(hidden, None, first.weight, first.variance_epsilon, normed, n)
         if self.step_tables is not None:  # packed for `dense`: every layer in one call, the same arithmetic
             cache = self.cache
             kernels.decode_layers(hidden, normed, n, self.step_tables, cache.buffer,
@@ -357,6 +358,7 @@ class CompactDecoder:
             return self._head(normed, rows)[:n]
         attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
         act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
+        norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]  # each layer's next norm
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
             qkv = fused.dense("qkv", normed, rows)
             keys, values = self.cache.layer(index)
@@ -366,7 +368,7 @@ class CompactDecoder:
             norm = layer.post_attention_layernorm
             kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
             kernels.silu_mul(fused.dense("gate_up", normed, rows), act, n)
-            norm = norms[index + 1]
+            norm = norms[index]
             kernels.add_rms_norm(hidden, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
         return self._head(normed, rows)[:n]
 
@@ -469,8 +471,9 @@ class CompactDecoder:
         """
         head = self.model.lm_head
         if rows:  # packed: the (b, V) product comes out directly
-            kernels = self.kernels if self.packing == "dense" else None
-            return _dense(normed, head.weight, head.bias, True, self.packed_head, rows, kernels)
+            if self.packing == "dense":
+                return _kernel_dense(self.kernels, normed, self.packed_head, head.weight.shape[0], head.bias)
+            return _dense(normed, head.weight, head.bias, True, self.packed_head, rows)
         if cpu_matmul.uses_onednn(normed, head.weight, head.bias):
             return cpu_matmul.linear(normed, head.weight, head.bias)
         logits = torch.mm(head.weight, normed.t()).t().contiguous()

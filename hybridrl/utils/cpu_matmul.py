@@ -176,9 +176,9 @@ def _(x, weight, bias):
 WEIGHT_GRAD_NARROW_INPUT = 256
 
 
-def weight_grad_plan(rows: int, out: int, inner: int) -> str:
-    """How ``_weight_grad_op`` computes the weight gradient of ``rows`` rows of a linear (inner -> out):
-    "transposed x" or "transposed grad" (the table above)."""
+def weight_grad_plan(out: int, inner: int) -> str:
+    """How ``_weight_grad_op`` computes the weight gradient of a linear (inner -> out), whatever its
+    row count: "transposed x" or "transposed grad" (the table above)."""
     if inner <= WEIGHT_GRAD_NARROW_INPUT and out >= 2 * inner:  # x^T (in, m) is the smaller copy
         return "transposed x"
     return "transposed grad"
@@ -193,7 +193,8 @@ def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
     from hybridrl.engine.cpu_attention import transposed  # here: hybridrl.engine imports this module
 
-    if weight_grad_plan(grad.shape[0], grad.shape[1], x.shape[1]) == "transposed x":  # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
+    if weight_grad_plan(grad.shape[1], x.shape[1]) == "transposed x":
+        # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
         grad_w = transposed(_onednn(transposed(x), grad.t(), None))
     else:  # grad^T (out, m) @ x: the inner product reads x^T in place
         grad_w = _onednn(transposed(grad), x.t(), None)
