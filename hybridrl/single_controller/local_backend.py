@@ -3,6 +3,11 @@
 One rank (world size 1) runs in-process: a breakpoint in worker code stops the driver right there.
 Arguments and results are deep-copied, as Ray's serialization would, so a worker that mutates its
 input (or the driver its output) behaves the same under both backends.
+
+Calls run in the order they were sent, as a Ray actor runs them, when the driver first waits for
+one of them (or for a later one): a call sent without waiting (``.submit``) runs at the driver's
+next wait, so the time the driver spends waiting for a call is the time that call ran, under both
+backends. A call whose result nobody waits for runs only if a later call's result is awaited.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import traceback
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +27,7 @@ __all__ = ["LocalBackend"]
 
 
 class LocalBackend:
-    """Runs one :class:`WorkerHost` in this process. Calls execute eagerly at submit."""
+    """Runs one :class:`WorkerHost` in this process; calls run in order when awaited (module docstring)."""
 
     def __init__(self, roles: Mapping[str, RoleSpec], env: Mapping[str, str], world_size: int) -> None:
         if world_size != 1:
@@ -32,6 +38,7 @@ class LocalBackend:
         self.world_size = 1
         self._roles = dict(roles)
         self._host = WorkerHost()
+        self._queue: deque[_LocalCall] = deque()
         rendezvous = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(find_free_port())}
         # The roles run in the driver: remember its env and process-group state so that shutdown
@@ -44,23 +51,30 @@ class LocalBackend:
             self.shutdown()
             raise self._error(",".join(self._roles), "__init__", exc) from exc
 
-    def submit(self, plan: CallPlan, role: str, method: str) -> list[tuple[bool, Any]]:
-        """Run the call now; the handle is a list of (ok, (result, seconds) or error) per rank."""
-        outcomes = []
-        for args, kwargs in plan.calls:
-            try:
-                args, kwargs = copy.deepcopy((args, kwargs))
-                result, seconds = self._host.execute_timed(role, method, args, kwargs)
-                outcomes.append((True, (copy.deepcopy(result), seconds)))
-            except Exception as exc:
-                outcomes.append((False, self._error(role, method, exc)))
-        return outcomes
+    def submit(self, plan: CallPlan, role: str, method: str) -> _LocalCall:
+        """Queue the call with a snapshot of its arguments; it runs at the next ``wait``."""
+        call = _LocalCall(role, method, copy.deepcopy(plan.calls))
+        self._queue.append(call)
+        return call
 
-    def wait(self, handle: list[tuple[bool, Any]], role: str, method: str) -> list[Any]:
-        for ok, value in handle:
+    def wait(self, handle: _LocalCall, role: str, method: str) -> list[Any]:
+        """Run the queued calls up to this one, in order; its (result, seconds) per rank."""
+        while handle.outcomes is None:
+            self._run(self._queue.popleft())
+        for ok, value in handle.outcomes:
             if not ok:
                 raise value from value.__cause__
-        return [value for _, value in handle]
+        return [value for _, value in handle.outcomes]
+
+    def _run(self, call: _LocalCall) -> None:
+        outcomes = []
+        for args, kwargs in call.calls:
+            try:
+                result, seconds = self._host.execute_timed(call.role, call.method, args, kwargs)
+                outcomes.append((True, (copy.deepcopy(result), seconds)))
+            except Exception as exc:
+                outcomes.append((False, self._error(call.role, call.method, exc)))
+        call.outcomes = outcomes
 
     def _error(self, role: str, method: str, exc: BaseException) -> WorkerError:
         names = [self._roles[r].cls.__qualname__ for r in role.split(",") if r in self._roles]
@@ -73,6 +87,7 @@ class LocalBackend:
         return [os.getpid()]
 
     def shutdown(self) -> None:
+        self._queue.clear()
         self._host.roles = {}
         if not self._had_group and _group_initialized():
             import torch.distributed as dist
@@ -83,6 +98,14 @@ class LocalBackend:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+class _LocalCall:
+    """A sent call: per rank ``(args, kwargs)`` (a snapshot), and once run, per rank ``(ok, value)``."""
+
+    def __init__(self, role: str, method: str, calls: tuple) -> None:
+        self.role, self.method, self.calls = role, method, calls
+        self.outcomes: list[tuple[bool, Any]] | None = None
 
 
 def _group_initialized() -> bool:

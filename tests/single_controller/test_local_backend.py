@@ -101,3 +101,30 @@ def test_local_shutdown_leaves_the_driver_as_it_found_it():
     wg.shutdown()
     assert not dist.is_initialized()
     assert {k: os.environ.get(k) for k in before} == before
+
+
+def test_local_calls_run_in_the_order_sent_when_awaited():
+    """As on a Ray actor: a call sent without waiting runs at the driver's next wait, after the
+    calls sent before it, on the arguments as they were when it was sent."""
+    wg = local_group(RoleSpec(ToyActor, scale=1.0))
+    actor = wg._backend._host.roles["worker"]
+    data = make_rows(3)
+    first = wg.set_scale.submit(5.0)
+    second = wg.scale_rows.submit(data, offset=1.0)
+    data.batch["x"].fill_(100.0)  # after sending: the call keeps what was sent
+    assert actor.scale == 1.0  # nothing ran yet
+    assert second.get().batch["y"].tolist() == [1.0, 6.0, 11.0]  # ran set_scale first
+    assert actor.scale == 5.0
+    assert first.get() == [None]  # already ran; awaiting it does not run it again
+    assert wg.scale_rows(make_rows(2)).batch["y"].tolist() == [0.0, 5.0]
+
+
+def test_local_failed_call_raises_at_its_own_wait_not_at_a_later_calls():
+    wg = local_group(ToyActor)
+    failing = wg.fail_on_rank.submit(0)
+    later = wg.whoami.submit()
+    assert later.get() == 0  # the ranks went on, as Ray's actor would
+    with pytest.raises(WorkerError, match="rank 0 of 1 raised in fail_on_rank"):
+        failing.get()
+    with pytest.raises(RuntimeError, match="shut down after a failure"):
+        wg.info()
