@@ -46,6 +46,11 @@ class ResumableBatchSampler:
             return np.arange(self.num_samples)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
+    def peek(self) -> list[int]:
+        """The indices the next batch will have, without taking it (the state is unchanged)."""
+        start = self.batch_in_epoch * self.batch_size
+        return self.epoch_order(self.epoch)[start : start + self.batch_size].tolist()
+
     def __iter__(self) -> Iterator[list[int]]:
         order = self.epoch_order(self.epoch)
         while self.batch_in_epoch < len(self):
@@ -81,20 +86,44 @@ class ResumableBatchSampler:
 
 class PromptDataLoader:
     """Iterates DataProto batches (``dataset.collate``) for the rest of the current epoch, in this
-    process (no prefetching workers, so the saved state is exactly what was consumed)."""
+    process (no prefetching workers, so the saved state is exactly what was consumed).
+
+    ``prefetch()`` makes the next batch ahead of time (the trainer calls it while the workers run
+    an update) without taking it: the state still names that batch as the next, and iterating
+    hands out the batch made ahead when it gets there (or makes it then, if the state moved).
+    """
 
     def __init__(
         self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
     ) -> None:
         self.dataset = dataset
         self.sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle, seed, drop_last)
+        self._ahead: tuple[tuple[int, int], DataProto] | None = None  # ((epoch, batch), batch) made by prefetch
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[DataProto]:
-        for indices in self.sampler:
-            yield self.dataset.collate(self.dataset.__getitems__(indices))
+        batches = iter(self.sampler)
+        while True:
+            position = self._position()
+            indices = next(batches, None)
+            if indices is None:
+                return
+            ahead, self._ahead = self._ahead, None
+            yield ahead[1] if ahead is not None and ahead[0] == position else self._make(indices)
+
+    def prefetch(self) -> None:
+        """Make the next batch now; the sampler's state does not move (class docstring)."""
+        position = self._position()
+        if self._ahead is None or self._ahead[0] != position:
+            self._ahead = (position, self._make(self.sampler.peek()))
+
+    def _position(self) -> tuple[int, int]:
+        return self.sampler.epoch, self.sampler.batch_in_epoch
+
+    def _make(self, indices: list[int]) -> DataProto:
+        return self.dataset.collate(self.dataset.__getitems__(indices))
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

@@ -34,12 +34,24 @@ from hybridrl.utils import gc_freeze, numerics
 from hybridrl.utils.faults import maybe_inject
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
+# The columns each worker call reads (as verl's workers select them): only these travel to the
+# ranks. The forward passes of actor, reference and critic (hybridrl.engine.train_engine) read the
+# model inputs; the updates add their losses' inputs (hybridrl.workers.actor / critic).
+MODEL_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
+ACTOR_UPDATE_KEYS = [*MODEL_INPUT_KEYS, "response_mask", "advantages", "old_log_probs", "ref_log_probs",
+                     "rollout_log_probs"]
+CRITIC_UPDATE_KEYS = [*MODEL_INPUT_KEYS, "response_mask", "values", "returns"]
 
 
 def columns_of(rows) -> dict[str, list]:
     """Per-row dicts -> dict of per-key lists (the reward manager's ``reward_extra_info`` layout)."""
     keys = dict.fromkeys(k for row in rows for k in row)
     return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def columns(batch: DataProto, keys: list[str]) -> DataProto:
+    """The tensor columns ``keys`` that ``batch`` has (no non-tensor columns), and its meta_info."""
+    return batch.select(batch_keys=[k for k in keys if k in batch.batch], non_tensor_batch_keys=[])
 
 
 def merge_columns(batch: DataProto, out: DataProto) -> DataProto:
@@ -62,6 +74,7 @@ class Workers(Protocol):
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
     def freeze_gc(self) -> None: ...
+    def submit(self, name: str, *args: DataProto) -> Callable[[], object]: ...  # one of the calls above, not awaited
 
 
 def old_log_probs_needed(config) -> bool:
@@ -146,26 +159,18 @@ class PPOTrainer:
                            batch, columns_of(batch.non_tensor_batch["reward_extra"]))
             if self.config.trainer.balance_batch:
                 batch = self.balance_batch(batch)
-            if self.needs_old_log_probs:
-                with timer("old_log_prob"):
-                    batch = self.compute_old_log_probs(batch, metrics)
-            if self.use_ref:
-                with timer("ref"):
-                    batch = merge_columns(batch, self.workers.compute_ref_log_prob(batch))
-            if self.use_critic:
-                with timer("values"):
-                    batch = merge_columns(batch, self.workers.compute_values(batch))
+            batch = self.score_with_models(batch, timer, metrics)
             with timer("adv"):
                 batch = self.compute_rewards_and_advantages(batch, metrics)
             finite = numerics.check_batch(batch.batch, self.global_step, self.config.trainer.nan_policy)
+            updates = []
             if self.use_critic and finite:
-                with timer("update_critic"):
-                    metrics.update(self.workers.update_critic(batch))
+                updates.append(("update_critic", "update_critic", columns(batch, CRITIC_UPDATE_KEYS)))
             if finite and self.global_step > self.config.trainer.critic_warmup:
-                with timer("update_actor"):
-                    metrics.update(self.workers.update_actor(batch))
-                with timer("update_weights"):
-                    self.workers.sync_weights()
+                updates += [("update_actor", "update_actor", columns(batch, ACTOR_UPDATE_KEYS)),
+                            ("update_weights", "sync_weights")]
+            for result in self.run_calls(timer, updates, meanwhile=self.prefetch_prompts):
+                metrics.update(result or {})  # sync_weights gives None
         self.count_skipped(finite, metrics)
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
@@ -277,8 +282,47 @@ class PPOTrainer:
         lengths = batch.batch["attention_mask"].sum(-1).tolist()
         return batch.reorder(balance_across_ranks(lengths, world))
 
-    def compute_old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
-        out = self.workers.compute_log_prob(batch)
+    def run_calls(self, timer: Timer, calls: list[tuple], meanwhile: Callable[[], None] | None = None) -> list:
+        """Worker calls ``(timer name, call name, *args)`` that do not need each other's results:
+        all are sent, then each is awaited in turn under its timer (the first timer also covers the
+        sending). The ranks run them back to back in this order, so the round trip to the workers
+        and the (de)serialization of the next call's data overlap the call before it instead of
+        adding to the step. ``meanwhile`` is the driver's own work to do while the calls run (only
+        where they run in other processes: ``workers.asynchronous``). Returns the results in order."""
+        if not calls:
+            return []
+        results = []
+        with timer(calls[0][0]):
+            pending = [self.workers.submit(name, *args) for _, name, *args in calls]
+            if meanwhile is not None and getattr(self.workers, "asynchronous", False):
+                meanwhile()
+            results.append(pending[0]())
+        for (phase, *_), wait in zip(calls[1:], pending[1:]):
+            with timer(phase):
+                results.append(wait())
+        return results
+
+    def prefetch_prompts(self) -> None:
+        """The next step's prompt batch, made while the workers update (``PromptDataLoader.prefetch``:
+        the loader's saved state is unchanged, so checkpoints and resumption are not affected)."""
+        prefetch = getattr(self.train_loader, "prefetch", None)
+        if prefetch is not None and self.global_step < self.total_steps:
+            prefetch()
+
+    def score_with_models(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> DataProto:
+        """Old and reference log-probs and the critic's values, each one call, sent together
+        (``run_calls``) with only the model inputs: those forward passes read nothing else."""
+        inputs = columns(batch, MODEL_INPUT_KEYS)
+        calls = [(phase, name, inputs) for phase, name, used in (
+            ("old_log_prob", "compute_log_prob", self.needs_old_log_probs),
+            ("ref", "compute_ref_log_prob", self.use_ref),
+            ("values", "compute_values", self.use_critic)) if used]
+        for (phase, *_), out in zip(calls, self.run_calls(timer, calls)):
+            batch = self.add_old_log_probs(batch, out, metrics) if phase == "old_log_prob" else merge_columns(batch, out)
+        return batch
+
+    def add_old_log_probs(self, batch: DataProto, out: DataProto, metrics: dict[str, float]) -> DataProto:
+        """Merge ``compute_log_prob``'s output: ``actor/entropy`` and the rollout-vs-trainer metrics."""
         if "entropy" in out.batch:
             entropy = out.pop(batch_keys=["entropy"]).batch["entropy"]
             mask = batch.batch["response_mask"]

@@ -7,6 +7,9 @@ is one SPMD call over the group's ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from hybridrl.config.validate import critic_in_use, ref_in_use
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerGroup, init_ray
@@ -35,6 +38,9 @@ class PPOWorkers:
         self.pool = ResourcePool([per_node] * trainer.nnodes, use_gpu=use_gpu)
         self.group = WorkerGroup(self.pool, roles, backend=trainer.backend, name="actor_rollout")
         self.world_size = self.group.world_size
+        # whether calls run in other processes while the driver goes on (Ray); the local backend
+        # runs them in the driver when it waits for them
+        self.asynchronous = trainer.backend == "ray"
 
     @property
     def busy_s(self) -> float:
@@ -42,25 +48,36 @@ class PPOWorkers:
         return self.group.busy_s
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        return self.group.rollout.generate_sequences(prompts)
+        return self.submit("generate_sequences", prompts)()
 
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        return self.group.actor.compute_log_prob(data)
+        return self.submit("compute_log_prob", data)()
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        return self.group.ref.compute_ref_log_prob(data)
+        return self.submit("compute_ref_log_prob", data)()
 
     def compute_values(self, data: DataProto) -> DataProto:
-        return self.group.critic.compute_values(data)
+        return self.submit("compute_values", data)()
 
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        return _mean_over_ranks(self.group.actor.update_actor(data))
+        return self.submit("update_actor", data)()
 
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        return _mean_over_ranks(self.group.critic.update_critic(data))
+        return self.submit("update_critic", data)()
 
     def sync_weights(self) -> None:
-        self.group.rollout.sync_weights()
+        self.submit("sync_weights")()
+
+    def submit(self, name: str, *args: DataProto) -> Callable[[], Any]:
+        """Send the call ``name`` (one of the methods above) without waiting; calling what this
+        returns waits and gives what the method gives. The ranks run calls in the order they were
+        sent, so the driver can send the next independent call while one runs (see
+        ``PPOTrainer.run_calls``)."""
+        if name not in _CALLS:
+            raise ValueError(f"unknown worker call {name!r}; allowed: {sorted(_CALLS)}")
+        role, finish = _CALLS[name]
+        future = self.group.method(role, name).submit(*args)
+        return lambda: finish(future.get())
 
     def save_checkpoint(self, path: str) -> None:
         self.group.actor.save_checkpoint(path)
@@ -91,3 +108,23 @@ def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
         for key, value in metrics.items():
             merged.setdefault(key, []).append(value)
     return reduce_metrics(merged)
+
+
+def _same(result: Any) -> Any:
+    return result
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+# trainer-facing call -> (role that runs it, how the per-rank results become the call's value)
+_CALLS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "generate_sequences": ("rollout", _same),
+    "compute_log_prob": ("actor", _same),
+    "compute_ref_log_prob": ("ref", _same),
+    "compute_values": ("critic", _same),
+    "update_actor": ("actor", _mean_over_ranks),
+    "update_critic": ("critic", _mean_over_ranks),
+    "sync_weights": ("rollout", _nothing),
+}

@@ -64,3 +64,58 @@ def test_loader_yields_dataproto_and_resumes(tmp_path, tokenizer):
     again = PromptDataLoader(ds, batch_size=3, seed=0)
     again.load_state_dict(state)
     assert [list(b.non_tensor_batch["index"]) for b in again] == expected
+
+
+def _endless(loader):
+    while True:
+        yield from loader
+
+
+def _same_batch(a, b):
+    assert a.batch.keys() == b.batch.keys() and a.non_tensor_batch.keys() == b.non_tensor_batch.keys()
+    assert all(a.batch[k].equal(b.batch[k]) for k in a.batch)
+    assert all(list(a.non_tensor_batch[k]) == list(b.non_tensor_batch[k]) for k in a.non_tensor_batch)
+
+
+def test_prefetch_makes_the_next_batch_without_moving_the_state(tmp_path, tokenizer):
+    """Prefetching before every batch (across epochs, the last short batch included) hands out
+    exactly the batches of a loader that never prefetches, and the saved state never moves."""
+    path = write_parquet(tmp_path / "d.parquet", [verl_row(f"{i}+1=", str(i + 1), i) for i in range(10)])
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=16)
+    plain = _endless(PromptDataLoader(ds, batch_size=4, seed=3, drop_last=False))  # 3 batches an epoch
+    loader = PromptDataLoader(ds, batch_size=4, seed=3, drop_last=False)
+    ahead = _endless(loader)
+    made = []
+    loader.dataset = _Counting(ds, made)
+    for step in range(7):
+        state = loader.state_dict()
+        loader.prefetch()
+        loader.prefetch()  # a second prefetch of the same position makes nothing new
+        assert loader.state_dict() == state
+        assert len(made) == step + 1
+        _same_batch(next(ahead), next(plain))
+        assert len(made) == step + 1  # the batch handed out is the one made ahead
+
+
+def test_a_prefetched_batch_is_not_handed_out_after_the_state_moved(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "d.parquet", [verl_row(f"{i}+1=", str(i + 1), i) for i in range(10)])
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=16)
+    loader = PromptDataLoader(ds, batch_size=3, seed=0)
+    reference = [list(b.non_tensor_batch["index"]) for b in PromptDataLoader(ds, batch_size=3, seed=0)]
+    loader.prefetch()  # batch 0 made ahead
+    loader.load_state_dict({**loader.state_dict(), "batch_in_epoch": 2})  # e.g. a resume to batch 2
+    assert [list(b.non_tensor_batch["index"]) for b in loader] == reference[2:]
+
+
+class _Counting:
+    """The dataset, recording each batch it makes."""
+
+    def __init__(self, ds, made):
+        self.ds, self.made = ds, made
+
+    def __getitems__(self, items):
+        self.made.append(list(items))
+        return self.ds.__getitems__(items)
+
+    def collate(self, items):
+        return self.ds.collate(items)
