@@ -121,14 +121,16 @@ def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: flo
     return flops, seconds
 
 
-def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int, with_ref: bool) -> dict:
-    """Per-phase floor seconds (and FLOPs) of one GRPO step; keys match ``PHASES``."""
+def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int, with_ref: bool,
+               with_old: bool = False) -> dict:
+    """Per-phase floor seconds (and FLOPs) of one GRPO step; keys match ``PHASES``. ``with_old``:
+    the old log-probs need their own forward pass (more than one mini-batch per batch)."""
     gen_flops, gen_s = generation_floor(shape, machine, n, g, p, r)
     fwd = shared_forward_flops(shape, n, g, p, r)
     ref = fwd if with_ref else 0.0
     update = 3 * fwd  # backward = 2x forward
-    flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": 0.0, "ref": ref, "update_actor": update,
-             "update_weights": 0.0, "dispatch": 0.0, "controller": 0.0}
+    flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": fwd if with_old else 0.0, "ref": ref,
+             "update_actor": update, "update_weights": 0.0, "dispatch": 0.0, "controller": 0.0}
     seconds = {k: v / machine.peak_flops for k, v in flops.items()}
     seconds["gen"] = gen_s
     return {"flops": flops, "seconds": seconds, "total_s": sum(seconds.values()), "update_flops": update}

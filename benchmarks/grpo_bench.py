@@ -27,6 +27,7 @@ times B, for both frameworks, so the throughput ratio is the step-time ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -53,12 +54,17 @@ class Case:
     g: int  # samples per prompt
     r: int  # response tokens
     max_prompt_length: int
+    mini_batch: int = 0  # prompts per PPO mini-batch (0: all n, one optimizer step per batch)
 
 
 CASES = {
     "tiny": Case("tiny", "tiny", 16, 8, 64, 64),
     "25m": Case("25m", "25m", 8, 8, 64, 64),
     "smollm2": Case("smollm2", "smollm2", 4, 4, 32, 128),
+    # the quickstart's sizes (hybridrl/config/presets/grpo_quickstart.yaml): 32 prompts x 8 samples x
+    # 12 tokens in two mini-batches, so the old log-probs are computed; hybridrl only (TRL has no
+    # matching mini-batch schedule), for the controller's share of a step at that size
+    "quickstart": Case("quickstart", "tiny", 32, 8, 12, 64, mini_batch=16),
 }
 
 
@@ -103,8 +109,8 @@ def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with
         "data.max_response_length": case.r, "actor_rollout_ref.model.path": assets["model"],
         "actor_rollout_ref.rollout.n": case.g, "actor_rollout_ref.rollout.ignore_eos": "true",
         "actor_rollout_ref.rollout.temperature": 1.0,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": case.n,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": b // workers,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": case.mini_batch or case.n,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (case.mini_batch or case.n) * case.g // workers,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": b // workers,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": b // workers,
         "actor_rollout_ref.actor.use_kl_loss": str(with_ref).lower(),
@@ -219,7 +225,8 @@ def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
     assets = prepare_assets(case, Path(args.work))
     shape = ModelShape.of(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32))
     p = mean_prompt_tokens(assets["model"], assets["train"])
-    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref)
+    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref,
+                       with_old=bool(case.mini_batch) and case.mini_batch < case.n)
     tokens = case.n * case.g * (p + case.r)
     hyb: list[dict] = []
     trl: list[float] = []
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (those steps are not counted)")
     case = CASES[args.case]
     if args.n:
-        case = Case(case.name, case.model, args.n, case.g, case.r, case.max_prompt_length)
+        case = dataclasses.replace(case, n=args.n)
     set_threads(args.threads)
     torch.manual_seed(0)
     machine = Machine.measure()
