@@ -51,9 +51,10 @@ class LocalBackend:
             self.shutdown()
             raise self._error(",".join(self._roles), "__init__", exc) from exc
 
-    def submit(self, plan: CallPlan, role: str, method: str) -> _LocalCall:
-        """Queue the call with a snapshot of its arguments; it runs at the next ``wait``."""
-        call = _LocalCall(role, method, copy.deepcopy(plan.calls))
+    def submit(self, plan: CallPlan, role: str, method: str, joins: tuple = ()) -> _LocalCall:
+        """Queue the call with a snapshot of its arguments; it runs at the next ``wait``. ``joins``:
+        earlier calls whose results join the first argument when it runs (as on a Ray rank)."""
+        call = _LocalCall(role, method, copy.deepcopy(plan.calls), tuple(joins))
         self._queue.append(call)
         return call
 
@@ -68,9 +69,15 @@ class LocalBackend:
 
     def _run(self, call: _LocalCall) -> None:
         outcomes = []
-        for args, kwargs in call.calls:
+        for rank, (args, kwargs) in enumerate(call.calls):
             try:
-                result, seconds = self._host.execute_timed(call.role, call.method, args, kwargs)
+                earlier = []
+                for join in call.joins:  # sent before this call, so already run
+                    ok, value = join.outcomes[rank]
+                    if not ok:
+                        raise RuntimeError(f"its input from {join.method}() failed: {value.headline()}")
+                    earlier.append(copy.deepcopy(value))
+                result, seconds = self._host.execute_joined(call.role, call.method, args, kwargs, *earlier)
                 outcomes.append((True, (copy.deepcopy(result), seconds)))
             except Exception as exc:
                 outcomes.append((False, self._error(call.role, call.method, exc)))
@@ -101,10 +108,11 @@ class LocalBackend:
 
 
 class _LocalCall:
-    """A sent call: per rank ``(args, kwargs)`` (a snapshot), and once run, per rank ``(ok, value)``."""
+    """A sent call: per rank ``(args, kwargs)`` (a snapshot), the earlier calls it joins, and once
+    run, per rank ``(ok, value)``."""
 
-    def __init__(self, role: str, method: str, calls: tuple) -> None:
-        self.role, self.method, self.calls = role, method, calls
+    def __init__(self, role: str, method: str, calls: tuple, joins: tuple = ()) -> None:
+        self.role, self.method, self.calls, self.joins = role, method, calls, joins
         self.outcomes: list[tuple[bool, Any]] | None = None
 
 

@@ -105,8 +105,16 @@ class RayBackend:
         self.wait(list(zip(range(self.world_size), refs)), ",".join(self._roles), "__init__")
 
     # ------------------------------------------------------------------------------ calls
-    def submit(self, plan: CallPlan, role: str, method: str) -> list[tuple[int, Any]]:
-        """Send the call to its ranks; the handle is a list of (rank, ObjectRef of (result, seconds))."""
+    def submit(self, plan: CallPlan, role: str, method: str, joins: tuple = ()) -> list[tuple[int, Any]]:
+        """Send the call to its ranks; the handle is a list of (rank, ObjectRef of (result, seconds)).
+        ``joins``: handles of earlier calls whose per-rank results join the first argument on each
+        rank; Ray hands a rank their results there, they never come through the driver."""
+        if joins:
+            return [
+                (rank, self._actors[rank].execute_joined.remote(role, method, args, kwargs,
+                                                                *(dict(h)[rank] for h in joins)))
+                for rank, (args, kwargs) in zip(plan.ranks, plan.calls)
+            ]
         return [
             (rank, self._actors[rank].execute_timed.remote(role, method, args, kwargs))
             for rank, (args, kwargs) in zip(plan.ranks, plan.calls)

@@ -110,6 +110,16 @@ class WorkerHost:
         """Run ``roles[role].method(*args, **kwargs)`` in this process."""
         return getattr(self.roles[role], method)(*args, **kwargs)
 
+    def execute_joined(self, role: str, method: str, args: tuple, kwargs: dict, *earlier: tuple[Any, float]) -> tuple[Any, float]:
+        """``execute_timed`` with ``args[0]`` (a DataProto) joined with the tensor columns each earlier
+        call returned on this rank (their ``(result, seconds)``, resolved by the backend)."""
+        if earlier:
+            data = args[0]
+            for result, _ in earlier:
+                data = data.union(result.select(non_tensor_batch_keys=[], meta_info_keys=[]))
+            args = (data, *args[1:])
+        return self.execute_timed(role, method, args, kwargs)
+
     def execute_timed(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
         """``execute``, and the seconds the method itself ran (what the driver's accounting of time
         spent inside workers adds up; transfer and (de)serialization are outside it)."""

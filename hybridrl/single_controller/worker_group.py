@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from hybridrl.single_controller.decorator import MethodSpec, registered_methods
+from hybridrl.protocol import DataProto
+from hybridrl.single_controller.decorator import Dispatch, MethodSpec, registered_methods
 from hybridrl.single_controller.dispatch import CallPlan, collect_results, plan_call
 from hybridrl.single_controller.errors import WorkerError
 from hybridrl.single_controller.resource_pool import ResourcePool
@@ -35,7 +36,7 @@ class Backend(Protocol):
 
     world_size: int
 
-    def submit(self, plan: CallPlan, role: str, method: str) -> Any: ...
+    def submit(self, plan: CallPlan, role: str, method: str, joins: tuple = ()) -> Any: ...
     def wait(self, handle: Any, role: str, method: str) -> list[Any]: ...  # per rank: (result, seconds it ran)
     def worker_pids(self) -> list[int]: ...
     def shutdown(self) -> None: ...
@@ -69,6 +70,13 @@ class RemoteMethod:
 
     def submit(self, *args: Any, **kwargs: Any) -> WorkerFuture:
         return self._group._submit(self._role, self._method, self.spec, args, kwargs)
+
+    def submit_joined(self, data: DataProto, *earlier: WorkerFuture) -> WorkerFuture:
+        """Send the call on ``data`` joined, on each rank, with the columns each ``earlier`` call
+        (sent before, on the same rows) returned there: those results go from call to call on the
+        ranks, not through the driver, so this call can be sent before they are done. Both must be
+        ``DP_COMPUTE_PROTO`` calls of this group over the same number of rows."""
+        return self._group._submit(self._role, self._method, self.spec, (data,), {}, earlier)
 
     def __repr__(self) -> str:
         return f"<remote {self._role}.{self._method} {self.spec.dispatch_mode.name} blocking={self.spec.blocking}>"
@@ -155,10 +163,21 @@ class WorkerGroup:
         return self.method(role, method)(*args, **kwargs)
 
     # -------------------------------------------------------------------------- execution
-    def _submit(self, role: str, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> WorkerFuture:
+    def _submit(self, role: str, method: str, spec: MethodSpec, args: tuple, kwargs: dict,
+                joins: tuple[WorkerFuture, ...] = ()) -> WorkerFuture:
         self._check_open()
         plan = plan_call(spec.dispatch_mode, self.world_size, args, kwargs)
-        return WorkerFuture(self, plan, self._backend.submit(plan, role, method), role, method)
+        for earlier in joins:
+            dp = Dispatch.DP_COMPUTE_PROTO
+            if earlier._group is not self or plan.mode is not dp or earlier._plan.mode is not dp \
+                    or earlier._plan.rows != plan.rows:
+                raise ValueError(
+                    f"{role}.{method}: can only join the results of an earlier DP_COMPUTE_PROTO call of this group on "
+                    f"the same rows; {earlier._role}.{earlier._method} had {earlier._plan.rows} (padded) rows, this call "
+                    f"{plan.rows}")
+        handle = self._backend.submit(plan, role, method, tuple(f._handle for f in joins)) if joins \
+            else self._backend.submit(plan, role, method)
+        return WorkerFuture(self, plan, handle, role, method)
 
     def _wait(self, handle: Any, role: str, method: str) -> list[Any]:
         self._check_open()

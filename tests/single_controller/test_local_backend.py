@@ -128,3 +128,26 @@ def test_local_failed_call_raises_at_its_own_wait_not_at_a_later_calls():
         failing.get()
     with pytest.raises(RuntimeError, match="shut down after a failure"):
         wg.info()
+
+
+def test_local_joined_call_takes_the_earlier_calls_output():
+    wg = local_group(RoleSpec(ToyActor, scale=2.0))
+    data = make_rows(3)
+    first = wg.scale_rows.submit(data, offset=1.0)
+    assert wg.add_y.submit_joined(data, first).get().batch["z"].tolist() == [1.0, 4.0, 7.0]
+
+
+def test_local_joined_call_whose_input_failed_fails():
+    wg = local_group(ToyActor)
+    data = make_rows(2)
+    later = wg.add_y.submit_joined(data, wg.fail_rows.submit(data))
+    with pytest.raises(WorkerError, match=r"raised in add_y\(\)") as info:
+        later.get()
+    assert "its input from fail_rows() failed: worker ToyActor (role 'worker') rank 0 of 1 raised" in str(info.value)
+
+
+def test_local_joined_outputs_must_line_up_with_the_rows():
+    wg = local_group(ToyActor)
+    data = make_rows(2)
+    with pytest.raises(WorkerError, match="cannot union DataProtos of 2 and 1 rows"):
+        wg.add_y.submit_joined(data, wg.drop_one_row.submit(data)).get()

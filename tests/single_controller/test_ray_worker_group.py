@@ -87,6 +87,20 @@ def test_rank_zero_and_futures(colocated):
     assert [i["RANK"] for i in fut2.get()] == ["0", "1"]
 
 
+def test_a_call_joins_an_earlier_calls_output_on_each_rank(colocated):
+    """submit_joined: rank r's share of the later call is joined on rank r with what the earlier
+    call returned there (five rows over two ranks: one padding row), before the driver has it."""
+    data = make_rows(5)
+    first = colocated.actor.scale_rows.submit(data, offset=1.0)  # y = 2x + 1
+    second = colocated.actor.add_y.submit_joined(data, first)
+    out = second.get()
+    assert out.batch["z"].tolist() == [1.0, 4.0, 7.0, 10.0, 13.0]  # x + (2x + 1)
+    assert out.batch["joined_rank"].tolist() == out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
+    assert first.get().batch["y"].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]
+    with pytest.raises(ValueError, match="same rows"):
+        colocated.actor.add_y.submit_joined(make_rows(4), colocated.actor.scale_rows.submit(data))
+
+
 def test_busy_time_counts_each_call_once_for_its_slowest_rank(colocated):
     before, start = colocated.busy_s, time.perf_counter()
     assert colocated.actor.sleep_by_rank(0.3) == [0, 1]  # rank 0 works 0.3 s, rank 1 0.6 s, concurrently

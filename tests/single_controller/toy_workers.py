@@ -48,6 +48,17 @@ class ToyActor(Worker):
         )
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    def add_y(self, data: DataProto) -> DataProto:
+        """z = x + y, y joined from an earlier scale_rows on this rank; and who saw how many rows."""
+        n = len(data)
+        return DataProto.from_dict({"z": data.batch["x"] + data.batch["y"], "joined_rank": data.batch["rank"],
+                                    "rank": torch.full((n,), self.rank)})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def fail_rows(self, data: DataProto) -> DataProto:
+        raise ValueError(f"bad rows on rank {self.rank}")
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def sample_twice(self, data: DataProto) -> DataProto:
         """Two samples per input row (interleaved), like rollout.n=2."""
         out = data.repeat(2, interleave=True)
