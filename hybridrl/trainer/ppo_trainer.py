@@ -32,6 +32,7 @@ from hybridrl.trainer.metrics import (
 )
 from hybridrl.utils import gc_freeze, numerics
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.workers.actor import UNCHECKED_LOG_PROBS
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
 # The columns each worker call reads (as verl's workers select them): only these travel to the
@@ -109,6 +110,10 @@ class PPOTrainer:
         actor = config.actor_rollout_ref.actor
         self.use_ref = alg.use_kl_in_reward or actor.use_kl_loss
         self.needs_old_log_probs = old_log_probs_needed(config)
+        # the actor update can be sent with the log-prob calls when nothing the driver computes
+        # before it (advantages, KL in the reward, values) reads them (update_with_log_probs)
+        self.joins_log_probs = ((self.needs_old_log_probs or self.use_ref) and not self.use_critic
+                                and not alg.use_kl_in_reward and hasattr(workers, "submit"))
         self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon) \
             if alg.use_kl_in_reward else None
@@ -159,18 +164,21 @@ class PPOTrainer:
                            batch, columns_of(batch.non_tensor_batch["reward_extra"]))
             if self.config.trainer.balance_batch:
                 batch = self.balance_batch(batch)
-            batch = self.score_with_models(batch, timer, metrics)
-            with timer("adv"):
-                batch = self.compute_rewards_and_advantages(batch, metrics)
-            finite = numerics.check_batch(batch.batch, self.global_step, self.config.trainer.nan_policy)
-            updates = []
-            if self.use_critic and finite:
-                updates.append(("update_critic", "update_critic", columns(batch, CRITIC_UPDATE_KEYS)))
-            if finite and self.global_step > self.config.trainer.critic_warmup:
-                updates += [("update_actor", "update_actor", columns(batch, ACTOR_UPDATE_KEYS)),
-                            ("update_weights", "sync_weights")]
-            for result in self.run_calls(timer, updates, meanwhile=self.prefetch_prompts):
-                metrics.update(result or {})  # sync_weights gives None
+            if self.joins_log_probs:
+                batch, finite = self.update_with_log_probs(batch, timer, metrics)
+            else:
+                batch = self.score_with_models(batch, timer, metrics)
+                with timer("adv"):
+                    batch = self.compute_rewards_and_advantages(batch, metrics)
+                finite = numerics.check_batch(batch.batch, self.global_step, self.config.trainer.nan_policy)
+                updates = []
+                if self.use_critic and finite:
+                    updates.append(("update_critic", "update_critic", columns(batch, CRITIC_UPDATE_KEYS)))
+                if finite and self.global_step > self.config.trainer.critic_warmup:
+                    updates += [("update_actor", "update_actor", columns(batch, ACTOR_UPDATE_KEYS)),
+                                ("update_weights", "sync_weights")]
+                for result in self.run_calls(timer, updates, meanwhile=self.prefetch_prompts):
+                    metrics.update(result or {})  # sync_weights gives None
         self.count_skipped(finite, metrics)
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
@@ -282,18 +290,26 @@ class PPOTrainer:
         lengths = batch.batch["attention_mask"].sum(-1).tolist()
         return batch.reorder(balance_across_ranks(lengths, world))
 
-    def run_calls(self, timer: Timer, calls: list[tuple], meanwhile: Callable[[], None] | None = None) -> list:
+    def run_calls(self, timer: Timer, calls: list[tuple], meanwhile: Callable[[], None] | None = None,
+                  joins: dict[str, tuple[str, ...]] | None = None) -> list:
         """Worker calls ``(timer name, call name, *args)`` that do not need each other's results:
         all are sent, then each is awaited in turn under its timer (the first timer also covers the
         sending). The ranks run them back to back in this order, so the round trip to the workers
         and the (de)serialization of the next call's data overlap the call before it instead of
-        adding to the step. ``meanwhile`` is the driver's own work to do while the calls run (only
-        where they run in other processes: ``workers.asynchronous``). Returns the results in order."""
+        adding to the step. ``joins`` maps a timer name to the earlier calls (timer names) whose
+        outputs join its batch on the ranks, so it can be sent before they are done.
+        ``meanwhile`` is the driver's own work to do while the calls run (only where they run in
+        other processes: ``workers.asynchronous``). Returns the results in order."""
         if not calls:
             return []
-        results = []
+        joins = joins or {}
+        results, sent = [], {}
         with timer(calls[0][0]):
-            pending = [self.workers.submit(name, *args) for _, name, *args in calls]
+            for phase, name, *args in calls:
+                earlier = tuple(sent[j] for j in joins.get(phase, ()))
+                sent[phase] = self.workers.submit(name, *args, joins=earlier) if earlier \
+                    else self.workers.submit(name, *args)
+            pending = list(sent.values())
             if meanwhile is not None and getattr(self.workers, "asynchronous", False):
                 meanwhile()
             results.append(pending[0]())
@@ -308,6 +324,36 @@ class PPOTrainer:
         prefetch = getattr(self.train_loader, "prefetch", None)
         if prefetch is not None and self.global_step < self.total_steps:
             prefetch()
+
+    def update_with_log_probs(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> tuple[DataProto, bool]:
+        """The old / reference log-prob calls, the actor update and the weight sync sent together
+        (``joins_log_probs``: GRPO-style advantages, which read neither, so they come first). The
+        update takes the log-probs from the calls before it on the ranks, one round trip to the
+        workers instead of two. The driver checks the log-probs once they are back; the update
+        checks them itself first and does nothing when they are not finite (all ranks agree), so
+        ``trainer.nan_policy`` acts as when the update is sent after them."""
+        with timer("adv"):
+            batch = self.compute_rewards_and_advantages(batch, metrics)
+        policy = self.config.trainer.nan_policy
+        finite = numerics.check_batch(batch.batch, self.global_step, policy)  # scores, advantages
+        update_now = finite and self.global_step > self.config.trainer.critic_warmup
+        inputs = columns(batch, MODEL_INPUT_KEYS)
+        calls = [(phase, name, inputs) for phase, name, used in (
+            ("old_log_prob", "compute_log_prob", self.needs_old_log_probs),
+            ("ref", "compute_ref_log_prob", self.use_ref)) if used]
+        forwards = [phase for phase, *_ in calls]
+        if update_now:
+            update = columns(batch, ACTOR_UPDATE_KEYS)
+            update.meta_info[UNCHECKED_LOG_PROBS] = True
+            calls += [("update_actor", "update_actor", update), ("update_weights", "sync_weights")]
+        results = self.run_calls(timer, calls, meanwhile=self.prefetch_prompts,
+                                 joins={"update_actor": tuple(forwards)})
+        for phase, out in zip(forwards, results):
+            batch = self.add_old_log_probs(batch, out, metrics) if phase == "old_log_prob" else merge_columns(batch, out)
+        finite = finite and numerics.check_batch(batch.batch, self.global_step, policy)
+        if update_now and finite:
+            metrics.update(results[len(forwards)])
+        return batch, finite
 
     def score_with_models(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> DataProto:
         """Old and reference log-probs and the critic's values, each one call, sent together

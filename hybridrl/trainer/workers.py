@@ -12,7 +12,7 @@ from typing import Any
 
 from hybridrl.config.validate import critic_in_use, ref_in_use
 from hybridrl.protocol import DataProto
-from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerGroup, init_ray
+from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerFuture, WorkerGroup, init_ray
 from hybridrl.trainer.metrics import reduce_metrics
 from hybridrl.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
@@ -68,16 +68,18 @@ class PPOWorkers:
     def sync_weights(self) -> None:
         self.submit("sync_weights")()
 
-    def submit(self, name: str, *args: DataProto) -> Callable[[], Any]:
+    def submit(self, name: str, *args: DataProto, joins: tuple[PendingCall, ...] = ()) -> PendingCall:
         """Send the call ``name`` (one of the methods above) without waiting; calling what this
         returns waits and gives what the method gives. The ranks run calls in the order they were
         sent, so the driver can send the next independent call while one runs (see
-        ``PPOTrainer.run_calls``)."""
+        ``PPOTrainer.run_calls``). ``joins``: earlier calls on the same rows whose output columns
+        join this call's batch on the ranks (``RemoteMethod.submit_joined``)."""
         if name not in _CALLS:
             raise ValueError(f"unknown worker call {name!r}; allowed: {sorted(_CALLS)}")
         role, finish = _CALLS[name]
-        future = self.group.method(role, name).submit(*args)
-        return lambda: finish(future.get())
+        method = self.group.method(role, name)
+        future = method.submit_joined(*args, *(j.future for j in joins)) if joins else method.submit(*args)
+        return PendingCall(future, finish)
 
     def save_checkpoint(self, path: str) -> None:
         self.group.actor.save_checkpoint(path)
@@ -100,6 +102,16 @@ class PPOWorkers:
         """Kill the worker processes and return the placement groups to Ray."""
         self.group.shutdown()
         self.pool.release()
+
+
+class PendingCall:
+    """A call sent by ``PPOWorkers.submit``; calling it waits and returns the call's value."""
+
+    def __init__(self, future: WorkerFuture, finish: Callable[[Any], Any]) -> None:
+        self.future, self._finish = future, finish
+
+    def __call__(self) -> Any:
+        return self._finish(self.future.get())
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -28,6 +28,10 @@ from hybridrl.workers.common import (
     setup_distributed,
 )
 
+# meta_info flag of an update whose old / reference log-probs joined it on the ranks, unseen by the
+# driver: the update first checks them itself (ActorWorker.update_actor)
+UNCHECKED_LOG_PROBS = "unchecked_log_probs"
+
 
 class ActorWorker(Worker):
     """Holds the policy in a TrainEngine (FSDP2 over the worker group's ranks)."""
@@ -58,13 +62,15 @@ class ActorWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs (B,R)`` and ``entropy (B,R)`` under the current policy."""
-        maybe_inject("compute_log_prob")
+        nan = maybe_inject("compute_log_prob")  # ":nan": a fault drill for trainer.nan_policy
         rollout = self.config.actor_rollout_ref.rollout
         out = self.engine.forward(data, temperature=self.temperature, calculate_entropy=True,
                                   **micro_batching(rollout.log_prob_use_dynamic_bsz,
                                                    rollout.log_prob_micro_batch_size_per_gpu,
                                                    rollout.log_prob_max_token_len_per_gpu))
         out.rename("log_probs", "old_log_probs")
+        if nan:
+            out.batch["old_log_probs"] = poison(out.batch["old_log_probs"])
         return out
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -78,6 +84,10 @@ class ActorWorker(Worker):
                            f"one mini-batch) may skip; here ppo_epochs={self.actor.ppo_epochs}, {len(data)} rows in "
                            f"mini-batches of {rows}")
         step = int(data.meta_info.get("global_step", 0))
+        if data.meta_info.get(UNCHECKED_LOG_PROBS) and not self._log_probs_finite(data):
+            # the driver sent this update before it saw the log-probs it joined (PPOTrainer.run_calls);
+            # it will find them non-finite and skip the step or stop the run, as if not sent
+            return {}
         per_step = []
         for mini in iter_mini_batches(data, rows, self.actor.ppo_epochs, self.actor.shuffle,
                                       self.actor.data_loader_seed + step):
@@ -85,6 +95,17 @@ class ActorWorker(Worker):
         metrics = mean_metrics(per_step)
         metrics["actor/skipped_updates"] = sum(m["actor/skipped_updates"] for m in per_step)
         return metrics
+
+    def _log_probs_finite(self, data: DataProto) -> bool:
+        """Old and reference log-probs finite on the response tokens of every rank's rows (one
+        all-reduce, so that all ranks skip together)."""
+        mask = data.batch["response_mask"].bool()
+        bad = any(not torch.isfinite(data.batch[k][mask]).all() for k in ("old_log_probs", "ref_log_probs")
+                  if k in data.batch)
+        flag = torch.tensor([float(bad)])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag.item() == 0.0
 
     def _optimizer_step(self, mini: DataProto, step: int) -> dict[str, float]:
         info = global_batch_info(mini, self.actor.loss_scale_factor)

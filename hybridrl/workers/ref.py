@@ -7,6 +7,7 @@ from hybridrl.models import load_causal_lm
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.utils.numerics import poison
 from hybridrl.workers.common import micro_batching, setup_distributed
 
 
@@ -28,10 +29,12 @@ class RefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_probs (B,R)`` at the rollout temperature."""
-        maybe_inject("compute_ref_log_prob")
+        nan = maybe_inject("compute_ref_log_prob")  # ":nan": a fault drill for trainer.nan_policy
         out = self.engine.forward(data, temperature=self.temperature,
                                   **micro_batching(self.ref.log_prob_use_dynamic_bsz,
                                                    self.ref.log_prob_micro_batch_size_per_gpu,
                                                    self.ref.log_prob_max_token_len_per_gpu))
         out.rename("log_probs", "ref_log_probs")
+        if nan:
+            out.batch["ref_log_probs"] = poison(out.batch["ref_log_probs"])
         return out

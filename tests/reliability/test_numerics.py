@@ -73,18 +73,43 @@ def test_nan_loss_with_stop_ends_the_run_naming_step_phase_and_rank(assets, tmp_
     assert not (tmp_path / "stop" / "global_step_1").exists()
 
 
-@pytest.mark.e2e
-def test_nan_loss_with_skip_applies_no_update_and_counts_it(assets, tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV, "update_actor:nan")
-    run_dir = tmp_path / "skip"
+def _run_with_skip(assets, run_dir, monkeypatch, fault):
+    """Two steps under nan_policy=skip with ``fault``; the metrics, after checking that the exported
+    weights equal the initial ones and both steps count as skipped."""
+    monkeypatch.setenv(ENV, fault)
     cfg = config(assets, run_dir, **LOCAL, **{
         "trainer.nan_policy": "skip", "trainer.save_freq": 2,
         "actor_rollout_ref.actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]"})
     run(cfg)
     metrics = read_metrics(run_dir)
     assert [metrics[s]["training/skipped_steps"] for s in (1, 2)] == [1.0, 2.0]
-    assert metrics[2]["actor/skipped_updates"] == 2.0  # 4 prompts / mini-batches of 2: both skipped
-    assert "actor/pg_loss" not in metrics[2]  # no NaN metric logged for the skipped updates
     before = load_file(str(next(Path(assets["model"]).glob("*.safetensors"))))
     after = load_file(str(run_dir / "global_step_2" / "actor" / "hf_model" / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before if k in after), "a skipped update changed weights"
+    return metrics
+
+
+@pytest.mark.e2e
+def test_nan_loss_with_skip_applies_no_update_and_counts_it(assets, tmp_path, monkeypatch):
+    metrics = _run_with_skip(assets, tmp_path / "skip", monkeypatch, "update_actor:nan")
+    assert metrics[2]["actor/skipped_updates"] == 2.0  # 4 prompts / mini-batches of 2: both skipped
+    assert "actor/pg_loss" not in metrics[2]  # no NaN metric logged for the skipped updates
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("phase", ["compute_log_prob", "compute_ref_log_prob"])
+def test_nan_log_probs_sent_with_the_update_stop_the_run_before_it_applies(assets, tmp_path, monkeypatch, phase):
+    """The update goes out with the log-prob calls and takes their outputs on the ranks
+    (PPOTrainer.update_with_log_probs); NaN log-probs must still end a nan_policy=stop run with the
+    driver's error naming the phase, and the update must not apply."""
+    monkeypatch.setenv(ENV, f"{phase}:nan")
+    cfg = config(assets, tmp_path / "stop", **LOCAL, **{"trainer.nan_policy": "stop", "trainer.total_training_steps": 1})
+    with pytest.raises(NonFiniteError) as info:
+        run(cfg)
+    assert (info.value.step, info.value.phase, info.value.rank) == (1, phase, "driver")
+
+
+@pytest.mark.e2e
+def test_nan_ref_log_probs_with_skip_apply_no_update_and_count_it(assets, tmp_path, monkeypatch):
+    metrics = _run_with_skip(assets, tmp_path / "skip", monkeypatch, "compute_ref_log_prob:nan")
+    assert "actor/pg_loss" not in metrics[2] and "actor/lr" not in metrics[2]  # the update did nothing
