@@ -29,11 +29,15 @@ class RecordingWorkers:
         self.asynchronous = asynchronous
         self.events: list[tuple[str, str]] = []
         self.sent: dict[str, DataProto] = {}
+        self.joined: dict[str, list[str]] = {}
+        self.names: dict[int, str] = {}
 
-    def submit(self, name, *args):
+    def submit(self, name, *args, joins=()):
         self.events.append(("send", name))
         if args:
             self.sent[name] = args[0]
+        if joins:
+            self.joined[name] = [self.names[id(j)] for j in joins]
 
         def wait():
             self.events.append(("wait", name))
@@ -46,6 +50,7 @@ class RecordingWorkers:
             key = "old_log_probs" if name == "compute_log_prob" else "ref_log_probs"
             return DataProto.from_dict({key: torch.full((rows, 2), RUN_S[name])})
 
+        self.names[id(wait)] = name
         return wait
 
 
@@ -125,4 +130,26 @@ def test_no_prompts_are_made_after_the_last_step():
     trainer.prefetch_prompts()
     trainer.global_step = trainer.total_steps
     trainer.prefetch_prompts()
+    assert len(prefetched) == 1
+
+
+def test_the_update_is_sent_with_the_log_prob_calls_and_joins_their_outputs():
+    workers = RecordingWorkers(asynchronous=True)
+    prefetched = []
+    trainer = make_trainer(workers, prefetched)
+    assert trainer.joins_log_probs  # GRPO: the advantages read no log-probs
+    trainer.global_step = 1
+    batch = full_batch()
+    batch.batch["token_level_scores"] = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    timer, metrics = Timer(), {}
+    batch, finite = trainer.update_with_log_probs(batch, timer, metrics)
+    names = ["compute_log_prob", "compute_ref_log_prob", "update_actor", "sync_weights"]
+    assert workers.events == [("send", n) for n in names] + [("wait", n) for n in names]
+    assert workers.joined == {"update_actor": ["compute_log_prob", "compute_ref_log_prob"]}
+    sent = workers.sent["update_actor"]
+    assert "advantages" in sent.batch and "old_log_probs" not in sent.batch  # joined on the ranks
+    assert sent.meta_info["unchecked_log_probs"] is True
+    assert finite and metrics["actor/pg_loss"] == 1.0
+    assert batch.batch["old_log_probs"].eq(0.05).all() and batch.batch["ref_log_probs"].eq(0.03).all()
+    assert list(timer.timing) == ["adv", "old_log_prob", "ref", "update_actor", "update_weights"]
     assert len(prefetched) == 1
