@@ -108,7 +108,8 @@ class RayBackend:
     def submit(self, plan: CallPlan, role: str, method: str, joins: tuple = ()) -> list[tuple[int, Any]]:
         """Send the call to its ranks; the handle is a list of (rank, ObjectRef of (result, seconds)).
         ``joins``: handles of earlier calls whose per-rank results join the first argument on each
-        rank; Ray hands a rank their results there, they never come through the driver."""
+        rank. They go as object references: Ray's core worker holds the task until they are ready
+        and delivers them with it, without the driver's Python code waiting for them."""
         if joins:
             return [
                 (rank, self._actors[rank].execute_joined.remote(role, method, args, kwargs,

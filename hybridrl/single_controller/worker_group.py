@@ -73,8 +73,9 @@ class RemoteMethod:
 
     def submit_joined(self, data: DataProto, *earlier: WorkerFuture) -> WorkerFuture:
         """Send the call on ``data`` joined, on each rank, with the columns each ``earlier`` call
-        (sent before, on the same rows) returned there: those results go from call to call on the
-        ranks, not through the driver, so this call can be sent before they are done. Both must be
+        (sent before, on the same rows) returned there. The results travel as Ray object references
+        that Ray resolves itself, so this call can be sent before they are done and the driver never
+        waits for, receives or re-sends them for it. Both must be
         ``DP_COMPUTE_PROTO`` calls of this group over the same number of rows."""
         return self._group._submit(self._role, self._method, self.spec, (data,), {}, earlier)
 
