@@ -110,14 +110,9 @@ class RayBackend:
         ``joins``: handles of earlier calls whose per-rank results join the first argument on each
         rank. They go as object references: Ray's core worker holds the task until they are ready
         and delivers them with it, without the driver's Python code waiting for them."""
-        if joins:
-            return [
-                (rank, self._actors[rank].execute_joined.remote(role, method, args, kwargs,
-                                                                *(dict(h)[rank] for h in joins)))
-                for rank, (args, kwargs) in zip(plan.ranks, plan.calls)
-            ]
+        earlier = [dict(handle) for handle in joins]  # rank -> ObjectRef, per joined call
         return [
-            (rank, self._actors[rank].execute_timed.remote(role, method, args, kwargs))
+            (rank, self._actors[rank].execute_joined.remote(role, method, args, kwargs, *(e[rank] for e in earlier)))
             for rank, (args, kwargs) in zip(plan.ranks, plan.calls)
         ]
 

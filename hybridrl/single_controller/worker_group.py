@@ -176,8 +176,7 @@ class WorkerGroup:
                     f"{role}.{method}: can only join the results of an earlier DP_COMPUTE_PROTO call of this group on "
                     f"the same rows; {earlier._role}.{earlier._method} had {earlier._plan.rows} (padded) rows, this call "
                     f"{plan.rows}")
-        handle = self._backend.submit(plan, role, method, tuple(f._handle for f in joins)) if joins \
-            else self._backend.submit(plan, role, method)
+        handle = self._backend.submit(plan, role, method, tuple(f._handle for f in joins))
         return WorkerFuture(self, plan, handle, role, method)
 
     def _wait(self, handle: Any, role: str, method: str) -> list[Any]:

@@ -75,7 +75,8 @@ class Workers(Protocol):
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
     def freeze_gc(self) -> None: ...
-    def submit(self, name: str, *args: DataProto) -> Callable[[], object]: ...  # one of the calls above, not awaited
+    # one of the calls above, not awaited; ``joins``: earlier sent calls whose outputs join its batch
+    def submit(self, name: str, *args: DataProto, joins: tuple = ()) -> Callable[[], object]: ...
 
 
 def old_log_probs_needed(config) -> bool:
@@ -306,9 +307,7 @@ class PPOTrainer:
         results, sent = [], {}
         with timer(calls[0][0]):
             for phase, name, *args in calls:
-                earlier = tuple(sent[j] for j in joins.get(phase, ()))
-                sent[phase] = self.workers.submit(name, *args, joins=earlier) if earlier \
-                    else self.workers.submit(name, *args)
+                sent[phase] = self.workers.submit(name, *args, joins=tuple(sent[j] for j in joins.get(phase, ())))
             pending = list(sent.values())
             if meanwhile is not None and getattr(self.workers, "asynchronous", False):
                 meanwhile()
@@ -337,10 +336,7 @@ class PPOTrainer:
         policy = self.config.trainer.nan_policy
         finite = numerics.check_batch(batch.batch, self.global_step, policy)  # scores, advantages
         update_now = finite and self.global_step > self.config.trainer.critic_warmup
-        inputs = columns(batch, MODEL_INPUT_KEYS)
-        calls = [(phase, name, inputs) for phase, name, used in (
-            ("old_log_prob", "compute_log_prob", self.needs_old_log_probs),
-            ("ref", "compute_ref_log_prob", self.use_ref)) if used]
+        calls = self.forward_calls(batch)  # no critic here (joins_log_probs)
         forwards = [phase for phase, *_ in calls]
         if update_now:
             update = columns(batch, ACTOR_UPDATE_KEYS)
@@ -348,8 +344,7 @@ class PPOTrainer:
             calls += [("update_actor", "update_actor", update), ("update_weights", "sync_weights")]
         results = self.run_calls(timer, calls, meanwhile=self.prefetch_prompts,
                                  joins={"update_actor": tuple(forwards)})
-        for phase, out in zip(forwards, results):
-            batch = self.add_old_log_probs(batch, out, metrics) if phase == "old_log_prob" else merge_columns(batch, out)
+        batch = self.merge_forwards(batch, forwards, results, metrics)
         finite = finite and numerics.check_batch(batch.batch, self.global_step, policy)
         if update_now and finite:
             metrics.update(results[len(forwards)])
@@ -358,12 +353,20 @@ class PPOTrainer:
     def score_with_models(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> DataProto:
         """Old and reference log-probs and the critic's values, each one call, sent together
         (``run_calls``) with only the model inputs: those forward passes read nothing else."""
+        calls = self.forward_calls(batch)
+        return self.merge_forwards(batch, [phase for phase, *_ in calls], self.run_calls(timer, calls), metrics)
+
+    def forward_calls(self, batch: DataProto) -> list[tuple]:
+        """The ``run_calls`` entries of the forward passes this step needs, on the model inputs only."""
         inputs = columns(batch, MODEL_INPUT_KEYS)
-        calls = [(phase, name, inputs) for phase, name, used in (
+        return [(phase, name, inputs) for phase, name, used in (
             ("old_log_prob", "compute_log_prob", self.needs_old_log_probs),
             ("ref", "compute_ref_log_prob", self.use_ref),
             ("values", "compute_values", self.use_critic)) if used]
-        for (phase, *_), out in zip(calls, self.run_calls(timer, calls)):
+
+    def merge_forwards(self, batch: DataProto, phases: list[str], outputs: list, metrics: dict[str, float]) -> DataProto:
+        """The forward passes' outputs (in ``phases`` order) merged into the batch."""
+        for phase, out in zip(phases, outputs):
             batch = self.add_old_log_probs(batch, out, metrics) if phase == "old_log_prob" else merge_columns(batch, out)
         return batch
 

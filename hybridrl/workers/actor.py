@@ -17,7 +17,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
 from hybridrl.utils.gc_freeze import freeze_survivors
-from hybridrl.utils.numerics import poison, screen_update
+from hybridrl.utils.numerics import nonfinite_summary, poison, screen_update
 from hybridrl.workers.common import (
     LossAccumulator,
     build_engine,
@@ -99,8 +99,8 @@ class ActorWorker(Worker):
     def _log_probs_finite(self, data: DataProto) -> bool:
         """Old and reference log-probs finite on the response tokens of every rank's rows (one
         all-reduce, so that all ranks skip together)."""
-        mask = data.batch["response_mask"].bool()
-        bad = any(not torch.isfinite(data.batch[k][mask]).all() for k in ("old_log_probs", "ref_log_probs")
+        mask = data.batch["response_mask"]
+        bad = any(nonfinite_summary(k, data.batch[k], mask) for k in ("old_log_probs", "ref_log_probs")
                   if k in data.batch)
         flag = torch.tensor([float(bad)])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
