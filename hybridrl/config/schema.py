@@ -307,7 +307,7 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    enable: bool = opt(False, "score with a model-based reward model")
+    enable: bool = opt(False, "score with a model-based reward model (not implemented: true is refused; rewards come from reward functions)")
     strategy: str = opt("fsdp", "backend of the RM", STRATEGIES)
     model: RewardModelModelConfig = section(RewardModelModelConfig, "reward model")
     micro_batch_size: int | None = opt(None, "[deprecated] global micro batch; folded into micro_batch_size_per_gpu")

@@ -149,10 +149,6 @@ def _check_batch_sizes(cfg: HybridRLConfig) -> list[str]:
     for prefix, role, stem in forward_roles:
         errors += _check_forward_role(cfg, prefix, stem, getattr(role, stem + "micro_batch_size_per_gpu"),
                                       getattr(role, stem + "use_dynamic_bsz"), getattr(role, stem + "max_token_len_per_gpu"))
-    rm = cfg.reward_model
-    if rm.enable:
-        errors += _check_forward_role(cfg, "reward_model", "", rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
-                                      rm.forward_max_token_len_per_gpu, token_key="forward_max_token_len_per_gpu")
     return errors
 
 
@@ -179,9 +175,9 @@ def _check_update_role(cfg: HybridRLConfig, prefix: str, mini: int, micro: int |
 
 
 def _check_forward_role(cfg: HybridRLConfig, prefix: str, stem: str, micro: int | None, dynamic: bool,
-                        max_tokens: int, token_key: str | None = None) -> list[str]:
+                        max_tokens: int) -> list[str]:
     if dynamic:
-        return _check_token_budget(cfg, f"{prefix}.{token_key or stem + 'max_token_len_per_gpu'}", max_tokens)
+        return _check_token_budget(cfg, f"{prefix}.{stem}max_token_len_per_gpu", max_tokens)
     if micro is None:
         return [f"{prefix}.{stem}micro_batch_size_per_gpu is not set; set it, or set "
                 f"{prefix}.{stem}use_dynamic_bsz=true with a token budget"]
@@ -203,6 +199,10 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
         errors.append("algorithm.adv_estimator=gae needs a critic, but critic.enable=false; "
                       "enable the critic or pick a critic-free estimator (grpo, rloo, ...)")
+    if cfg.reward_model.enable:  # the schema keeps verl's reward_model.* keys so that verl scripts load
+        errors.append("reward_model.enable=true: model-based reward models (a sequence-classification model scoring "
+                      "the responses) are not implemented; rewards come from custom_reward_function.path or the "
+                      "built-in rule scorers (docs/rewards.md)")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> folder)")
     val = arr.rollout.val_kwargs

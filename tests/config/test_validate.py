@@ -85,6 +85,7 @@ def test_critic_checked_only_when_in_use():
           "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "needs actor_rollout_ref.rollout.n >= 2"),
         (["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], "offload_policy=true needs an accelerator"),
         (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=0 must be in [1"),
+        (["reward_model.enable=true"], "reward_model.enable=true: model-based reward models"),
     ],
 )
 def test_consistency_errors(overrides, fragment):
