@@ -7,6 +7,7 @@ runs at world size 1 with no collectives at all, so a single process needs no se
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -64,8 +65,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if one exists."""
+    """Tear down the default process group if one exists.
+
+    Unreachable objects that still hold the group (an engine gone out of scope, kept alive by a
+    reference cycle of its modules and hooks) are collected first: freed later, during the
+    interpreter's exit, gloo's destructors aborted the process after a finished run
+    ("terminate called without an active exception", 2 in 30 two-rank runs; none in 30 with the
+    collection first)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

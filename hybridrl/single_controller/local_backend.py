@@ -97,9 +97,9 @@ class LocalBackend:
         self._queue.clear()
         self._host.roles = {}
         if not self._had_group and _group_initialized():
-            import torch.distributed as dist
+            from hybridrl.engine.distributed import destroy_distributed
 
-            dist.destroy_process_group()
+            destroy_distributed()  # the roles' engines, unreachable now, are collected first
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -30,8 +30,7 @@ def split_by_length(data, rank, world):
     return data[rows], rows
 
 
-def main(out: Path) -> None:
-    rank, world = init_distributed(timeout_s=120)
+def run(out: Path, rank: int, world: int) -> dict:
     batches = [make_batch(batch_size=12, seed=s) for s in (21, 22)]
     tokens = [int(b.batch["response_mask"].sum()) for b in batches]
     local, rows = split_by_length(batches[0], rank, world)
@@ -85,21 +84,23 @@ def main(out: Path) -> None:
     # rank 1 has no shared prompts: both ranks must then run the full rows (same model calls, no hang)
     mixed = sharing.forward(grouped[group_rows] if rank == 0 else make_batch(batch_size=6, seed=24))
     group_step = sharing.train_step(grouped[group_rows], pg_loss_fn(int(grouped.batch["response_mask"].sum())))
-    torch.save(
-        {
-            "group_rows": group_rows, "group_log_probs": group_fwd.batch["log_probs"], "group_step": group_step,
-            "group_tokens": (group_fwd.meta_info["computed_tokens"], group_fwd.meta_info["real_tokens"]),
-            "mixed_log_probs": mixed.batch["log_probs"], "mixed_computed": mixed.meta_info["computed_tokens"],
-            "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
-            "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
-            "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
-            "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
-            "matmul_backend": cpu_matmul.backend(),
-            "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
-        },
-        out / f"rank{rank}.pt",
-    )
-    destroy_distributed()
+    return {
+        "group_rows": group_rows, "group_log_probs": group_fwd.batch["log_probs"], "group_step": group_step,
+        "group_tokens": (group_fwd.meta_info["computed_tokens"], group_fwd.meta_info["real_tokens"]),
+        "mixed_log_probs": mixed.batch["log_probs"], "mixed_computed": mixed.meta_info["computed_tokens"],
+        "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
+        "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
+        "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
+        "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
+        "matmul_backend": cpu_matmul.backend(),
+        "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
+    }
+
+
+def main(out: Path) -> None:
+    rank, world = init_distributed(timeout_s=120)
+    torch.save(run(out, rank, world), out / f"rank{rank}.pt")
+    destroy_distributed()  # the engines are out of scope: collected before the group goes
 
 
 if __name__ == "__main__":
