@@ -61,7 +61,10 @@ def grpo_overrides(args, data: Path, held_out: Path, model: Path, reward: Path, 
         f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
         f"trainer.n_cpu_workers={args.workers}", f"trainer.total_training_steps={args.steps}",
         f"trainer.test_freq={args.test_freq}", f"trainer.save_freq={args.steps}", f"trainer.project_name={name}",
-        "trainer.experiment_name=grpo", *args.overrides,
+        "trainer.experiment_name=grpo",
+        # FSDP2 shards, as the runs in docs/examples were measured (the preset keeps whole replicas)
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1", "actor_rollout_ref.ref.fsdp_config.fsdp_size=-1",
+        *args.overrides,
     ]
 
 

@@ -222,6 +222,7 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     elif arr.rollout.name == "vllm" and trainer.world_size % tp:
         errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {_world_text(cfg)}")
     errors += _check_offload(cfg)
+    errors += _check_fsdp_size(cfg)
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable and not 0 < overlong.len <= cfg.data.max_response_length:
         errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in [1, data.max_response_length="
@@ -232,11 +233,26 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     return errors
 
 
+def _fsdp_sections(cfg: HybridRLConfig) -> dict:
+    """The ``fsdp_config`` of each role that trains or scores in a TrainEngine, by key prefix."""
+    return {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.fsdp_config,
+            "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.fsdp_config,
+            "critic.model": cfg.critic.model.fsdp_config}
+
+
+def _check_fsdp_size(cfg: HybridRLConfig) -> list[str]:
+    """fsdp_size as verl reads it: -1 (or at least the world size) shards over every rank, 1 keeps a
+    whole replica on each; shard groups of some ranks replicated across groups (HSDP) are not built."""
+    world = cfg.trainer.world_size
+    return [f"{prefix}.fsdp_config.fsdp_size={fsdp.fsdp_size} with the {_world_text(cfg)}: use -1 (shard over "
+            "all ranks) or 1 (a whole replica on each rank, gradients summed); shard groups of some ranks "
+            "(HSDP) are not implemented" for prefix, fsdp in _fsdp_sections(cfg).items()
+            if fsdp.fsdp_size == 0 or 1 < fsdp.fsdp_size < world]
+
+
 def _check_offload(cfg: HybridRLConfig) -> list[str]:
     if cfg.trainer.device != "cpu":
         return []
-    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.fsdp_config,
-             "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.fsdp_config,
-             "critic.model": cfg.critic.model.fsdp_config}
+    roles = _fsdp_sections(cfg)
     return [f"{prefix}.fsdp_config.offload_policy=true needs an accelerator (FSDP2 CPUOffloadPolicy fails on "
             "trainer.device=cpu); set it to false" for prefix, fsdp in roles.items() if fsdp.offload_policy]

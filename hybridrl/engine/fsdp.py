@@ -38,6 +38,8 @@ def shard_model(
     device_type: str,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    forward_prefetch: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``group`` with FSDP2 and return it.
 
@@ -45,15 +47,23 @@ def shard_model(
     unit holds the rest (embeddings, final norm, head; tied embeddings stay in one unit). Gradients
     are reduced as a SUM over ranks, not a mean: the caller's loss is already normalised by the
     global token count, so the per-rank gradients add up to the gradient of the global loss.
+
+    ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward to its
+    backward (one gather per block per micro-batch instead of two, for a block's worth of memory
+    each); ``forward_prefetch`` gathers the next block's parameters when a block's forward starts.
     """
     mesh = DeviceMesh.from_group(group, device_type)
     mp = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=None if reduce_dtype == torch.float32 else reduce_dtype,
     )
-    for block in block_modules(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    blocks = block_modules(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if forward_prefetch:
+        for block, following in zip(blocks, blocks[1:]):
+            block.set_modules_to_forward_prefetch([following])
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # factor 1 + plain SUM collectives: gloo has no PREMUL_SUM, and one op for both backends

@@ -1,11 +1,13 @@
 """TrainEngine: the one training interface, FSDP2 over any process group (gloo on CPU, NCCL on GPU).
 
-Over a process group of two or more ranks the model is sharded with ``fully_shard``; at world
-size 1 (no group, or a group of one rank) the same class runs the plain module, since sharding
-over one rank only adds copies (each forward and backward gathers every parameter into a second
-buffer: 8-10% of a SmolLM2 step on CPU). Everything else (padding removal, micro-batching, loss
-accumulation, clipping, checkpoints, weight streaming) is one code path, and checkpoints move
-between world sizes either way.
+Over a process group of two or more ranks the model is sharded with ``fully_shard``, or, with
+``fsdp_size=1``, kept whole on every rank with its gradients summed once per step
+(``hybridrl.engine.replicate``: no gathers, for models that fit on each rank); at world size 1 (no
+group, or a group of one rank) the same class runs the plain module, since sharding over one rank
+only adds copies (each forward and backward gathers every parameter into a second buffer: 8-10% of
+a SmolLM2 step on CPU). Everything else (padding removal, micro-batching, loss accumulation,
+clipping, checkpoints, weight streaming) is one code path, and checkpoints move between world
+sizes and between sharded and replicated engines either way.
 
 Batch contract (``DataProto`` keys, shape letters as in ``hybridrl.protocol``): ``input_ids``,
 ``attention_mask`` and optionally ``position_ids`` ``(B, T)``, ``responses (B, R)``, with
@@ -36,6 +38,7 @@ from hybridrl.engine.distributed import all_reduce_max, default_device
 from hybridrl.engine.fsdp import resolve_dtype, shard_model
 from hybridrl.engine.lr_schedule import build_lr_scheduler
 from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real_lengths
+from hybridrl.engine.replicate import broadcast_parameters, sum_gradients
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
 from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
 from hybridrl.protocol import DataProto
@@ -59,7 +62,8 @@ class TrainEngine:
         lr_scheduler, warmup_steps, total_steps, min_lr_ratio: see ``lr_schedule``.
         param_dtype, reduce_dtype: FSDP mixed precision (``"float32"``, ``"bfloat16"``,
             ``"float16"``); master weights and optimizer state stay float32. At world size 1 (no
-            sharding) a lower ``param_dtype`` runs the forward under ``torch.autocast``.
+            sharding) a lower ``param_dtype`` runs the forward under ``torch.autocast``; replicas
+            sum their gradients in ``reduce_dtype``.
         process_group: defaults to WORLD when initialised, else no group (plain world size 1).
         gradient_checkpointing: recompute block activations in backward (HF models).
         torch_compile: compile each transformer block's forward (``hybridrl.engine.compile``); the
@@ -68,6 +72,11 @@ class TrainEngine:
         share_prompts: compute a prompt that several rows of a micro-batch share (the ``n``
             samples of GRPO) once for all of them, forward and backward
             (``hybridrl.engine.shared_prefix``); same numbers to float rounding, fewer FLOPs.
+        fsdp_size: ranks per shard group, as verl's ``fsdp_config.fsdp_size``: -1 (or at least the
+            world size) shards over all ranks; 1 keeps the whole model on every rank and sums the
+            gradients once per step (``hybridrl.engine.replicate``; a lower ``param_dtype`` then runs
+            under autocast as at world size 1). Other sizes (HSDP) raise.
+        reshard_after_forward, forward_prefetch: FSDP2's, when sharded (``fsdp.shard_model``).
     """
 
     def __init__(
@@ -91,6 +100,9 @@ class TrainEngine:
         model_type: str = "causal_lm",
         device: torch.device | str | None = None,
         share_prompts: bool = True,
+        fsdp_size: int = -1,
+        reshard_after_forward: bool = True,
+        forward_prefetch: bool = False,
     ):
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
@@ -99,6 +111,12 @@ class TrainEngine:
         self.group = process_group if process_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        # fsdp_size as verl reads it: ranks per shard group, -1 (or the world size and above) all of
+        # them; 1 makes whole-model replicas that sum their gradients (hybridrl.engine.replicate)
+        if fsdp_size == 0 or 1 < fsdp_size < self.world_size:
+            raise ValueError(f"fsdp_size={fsdp_size} with {self.world_size} ranks: hybridrl shards over all ranks "
+                             "(-1) or keeps a whole replica on each (1); shard groups of some ranks replicated "
+                             "across groups (HSDP) are not implemented")
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         reduce = resolve_dtype(reduce_dtype, "reduce_dtype")
         model.to(self.device)
@@ -111,9 +129,14 @@ class TrainEngine:
             _enable_gradient_checkpointing(model)
         if torch_compile:
             compile_blocks(model, self.device)  # before sharding: FSDP2's hooks stay outside the graph
-        self.sharded = self.group is not None and self.world_size > 1
+        self.replicated = self.world_size > 1 and fsdp_size == 1
+        self.sharded = self.world_size > 1 and not self.replicated
+        self.reduce_dtype = reduce
         if self.sharded:
-            model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce)
+            model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce,
+                                reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch)
+        elif self.replicated:
+            broadcast_parameters(model, self.group)
         self.model = model
         self.grad_clip = grad_clip if grad_clip is not None and grad_clip > 0 else float("inf")
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -202,6 +225,9 @@ class TrainEngine:
             counts += micro_counts
             for key, value in metrics.items():
                 user_metrics[key].append(float(value))
+        if self.replicated:
+            sum_gradients([p for p in self.model.parameters() if p.requires_grad], self.group,
+                          None if self.reduce_dtype == torch.float32 else self.reduce_dtype)
         grad_norm = self._clip_and_step()
         lr = self.lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
@@ -237,7 +263,7 @@ class TrainEngine:
 
     # ----------------------------------------------------------------------- micro-batches
     def _micro_batches(self, data: DataProto, micro_batch_size: int | None, max_token_len: int | None) -> list:
-        """Index arrays of the micro-batches, the same count on every rank."""
+        """Index arrays of the micro-batches, the same count on every rank when sharded."""
         _check_batch(data)
         if micro_batch_size is not None and max_token_len is not None:
             raise ValueError("give micro_batch_size or max_token_len (dynamic batching), not both")
@@ -245,7 +271,7 @@ class TrainEngine:
             micro_batch_size = len(data)
         p, r = real_lengths(data.batch["attention_mask"], data.batch["responses"].shape[1])
         sync = None
-        if self.world_size > 1:
+        if self.sharded:  # every rank gathers each block once per micro-batch: one count for all (replicas need none)
             def sync(count: int) -> int:
                 return int(all_reduce_max(count, self.group, self.device))
         return partition_micro_batches(
@@ -299,7 +325,7 @@ class TrainEngine:
         groups = None
         if int(p.min()) >= 1 and int(r.max()) >= 2:  # pack_rows reports a row without prompt
             groups = prompt_groups(ids, mask, position_ids, ids.shape[1] - response_len, p, r)
-        if self.world_size > 1 and all_reduce_max(int(groups is None), self.group, self.device):
+        if self.sharded and all_reduce_max(int(groups is None), self.group, self.device):
             return None  # every rank makes the same model calls (FSDP gathers in each): all share or none
         if groups is None:
             return None

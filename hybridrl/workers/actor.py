@@ -49,7 +49,7 @@ class ActorWorker(Worker):
         self.updates_per_step = self.actor.ppo_epochs * (config.data.train_batch_size // self.actor.ppo_mini_batch_size)
         self.engine = build_engine(model, self.actor.optim, grad_clip=self.actor.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=self.updates_per_step,
-                                   model_dtype=self.actor.fsdp_config.model_dtype,
+                                   fsdp_config=self.actor.fsdp_config,
                                    torch_compile=self.actor.use_torch_compile,
                                    share_prompts=arr.model.share_prompt_prefix)
         self.policy_params = PolicyLossParams(

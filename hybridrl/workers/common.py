@@ -37,10 +37,16 @@ def setup_distributed() -> None:
         torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local_world))
 
 
+def sharding(fsdp_config) -> dict:
+    """A role's ``fsdp_config`` section as TrainEngine's sharding arguments (shard groups, model dtype)."""
+    return {"fsdp_size": fsdp_config.fsdp_size, "reshard_after_forward": fsdp_config.reshard_after_forward,
+            "forward_prefetch": fsdp_config.forward_prefetch, "param_dtype": _DTYPES[fsdp_config.model_dtype]}
+
+
 def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps: int, updates_per_step: int,
-                 model_dtype: str, model_type: str = "causal_lm", torch_compile: bool = False,
+                 fsdp_config, model_type: str = "causal_lm", torch_compile: bool = False,
                  share_prompts: bool = True) -> TrainEngine:
-    """A TrainEngine from an ``optim`` config section.
+    """A TrainEngine from an ``optim`` and an ``fsdp_config`` config section.
 
     The engine steps its LR schedule once per optimizer step; verl's schedules count training
     steps, so warm-up and horizon are scaled by the optimizer steps in one training step.
@@ -56,10 +62,10 @@ def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps
         warmup_steps=warmup * updates_per_step,
         total_steps=max(1, total_steps) * updates_per_step,
         min_lr_ratio=optim.min_lr_ratio,
-        param_dtype=_DTYPES[model_dtype],
         model_type=model_type,
         torch_compile=torch_compile,
         share_prompts=share_prompts,
+        **sharding(fsdp_config),
     )
 
 

@@ -36,7 +36,7 @@ class CriticWorker(Worker):
         updates = self.critic.ppo_epochs * (config.data.train_batch_size // self.critic.ppo_mini_batch_size)
         self.engine = build_engine(model, self.critic.optim, grad_clip=self.critic.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=updates,
-                                   model_dtype=self.critic.model.fsdp_config.model_dtype, model_type="value")
+                                   fsdp_config=self.critic.model.fsdp_config, model_type="value")
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

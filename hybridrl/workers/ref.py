@@ -8,7 +8,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
 from hybridrl.utils.numerics import poison
-from hybridrl.workers.common import micro_batching, setup_distributed
+from hybridrl.workers.common import micro_batching, setup_distributed, sharding
 
 
 class RefWorker(Worker):
@@ -24,7 +24,7 @@ class RefWorker(Worker):
         model.requires_grad_(False)
         # lr 0 and no optimizer steps: the engine is used for its sharded, padding-free forward.
         self.engine = TrainEngine(model, lr=0.0, torch_compile=self.ref.use_torch_compile,
-                                  share_prompts=arr.model.share_prompt_prefix)
+                                  share_prompts=arr.model.share_prompt_prefix, **sharding(self.ref.fsdp_config))
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -90,3 +90,18 @@ def test_critic_checked_only_when_in_use():
 )
 def test_consistency_errors(overrides, fragment):
     assert fragment in errors_of(*overrides)
+
+
+def test_fsdp_size_shards_over_all_ranks_or_replicates():
+    for size in (-1, 1, 2, 8):  # world size 2: all ranks, replicas, all ranks, all ranks
+        cfg = load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                           f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}",
+                           f"critic.model.fsdp_config.fsdp_size={size}"], preset="grpo_quickstart")
+        assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
+    message = errors_of("actor_rollout_ref.ref.fsdp_config.fsdp_size=0")
+    assert "actor_rollout_ref.ref.fsdp_config.fsdp_size=0 with the world size 2" in message
+    # shard groups of 2 ranks replicated twice over 4 ranks (HSDP): refused, naming the key
+    message = errors_of("trainer.n_cpu_workers=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                        "critic.model.fsdp_config.fsdp_size=2")
+    assert "critic.model.fsdp_config.fsdp_size=2 with the world size 4" in message
+    assert "(HSDP) are not implemented" in message

@@ -6,6 +6,12 @@ relative imports.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
@@ -151,3 +157,31 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = full.detach().cpu().clone()
     return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(script: Path, out: Path, **env_extra: str) -> list[dict]:
+    """Run ``script out`` as ranks 0 and 1 of a gloo group; returns what each saved to ``rank<r>.pt``.
+    A rank that fails or runs past 240 s fails the caller with the end of its log."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env_extra)
+    procs = []
+    for rank in range(2):
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(script), str(out)], env=dict(env, RANK=str(rank)),
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

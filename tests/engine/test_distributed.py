@@ -1,9 +1,5 @@
 """FSDP2 over 2 gloo processes equals world size 1 on the same batch (losses, grads, params)."""
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +9,18 @@ from transformers import AutoModelForCausalLM
 from hybridrl.engine import TrainEngine
 from hybridrl.utils import cpu_matmul
 
-from .helpers import build_model, make_batch, make_group_batch, params_of, pg_loss_fn, shared_computed
+from .helpers import (
+    build_model,
+    make_batch,
+    make_group_batch,
+    params_of,
+    pg_loss_fn,
+    run_two_ranks,
+    shared_computed,
+)
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BACKENDS = ["mkl", "onednn"] if cpu_matmul.onednn_available() else ["mkl"]
@@ -43,23 +41,7 @@ def two_ranks(tmp_path_factory, backend):
     """Run dist_worker.py as ranks 0 and 1; returns (their result dicts, output dir)."""
     out = tmp_path_factory.mktemp("dist")
     _world_size_1_checkpoint(out / "ckpt_ws1")
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HYBRIDRL_CPU_MATMUL=backend)
-    procs = []
-    for rank in range(2):
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), str(out)], env=dict(env, RANK=str(rank)),
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+    return run_two_ranks(WORKER, out, HYBRIDRL_CPU_MATMUL=backend), out
 
 
 def _world_size_1_checkpoint(path: Path) -> None:

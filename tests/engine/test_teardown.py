@@ -1,7 +1,6 @@
 """destroy_distributed frees what still holds the process group before tearing it down."""
 
 import gc
-import socket
 
 import torch.distributed as dist
 
@@ -21,13 +20,8 @@ class _HoldsTheGroup:
         _HoldsTheGroup.seen.append(dist.is_initialized())
 
 
-def test_unreachable_holders_of_the_group_are_freed_while_it_exists(monkeypatch):
+def test_unreachable_holders_of_the_group_are_freed_while_it_exists(one_rank_env):
     # freed only later, during the interpreter's exit, gloo's destructors aborted finished runs
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(key, value)
     init_distributed(timeout_s=30)
     gc.disable()  # no automatic collection in between: only destroy_distributed's own
     try:

@@ -1,4 +1,4 @@
-"""End to end on CPU: Ray worker groups of 2 gloo ranks (FSDP2), GRPO and PPO with a critic."""
+"""End to end on CPU: Ray worker groups of 2 gloo ranks (FSDP2 shards or whole replicas), GRPO and PPO with a critic."""
 
 from __future__ import annotations
 
@@ -42,12 +42,28 @@ def test_grpo_two_ranks_trains_and_logs_verl_metrics(assets, tmp_path, ray_sessi
     assert changed, "no parameter changed after two GRPO steps"
 
 
-def test_ppo_with_critic_two_ranks(assets, tmp_path, ray_session):
-    run_dir = tmp_path / "ppo"
-    cfg = config(assets, run_dir, **{"algorithm.adv_estimator": "gae", "critic.model.path": assets["model"],
-                                      "critic.ppo_micro_batch_size_per_gpu": 2, "critic.optim.lr": 1e-3})
-    run(cfg)
-    metrics = read_metrics(run_dir)
+PPO_CRITIC = {"algorithm.adv_estimator": "gae", "critic.model.path": None, "critic.ppo_micro_batch_size_per_gpu": 2,
+              "critic.optim.lr": 1e-3, "actor_rollout_ref.actor.use_kl_loss": True}
+
+
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+
+
+def _ppo_critic(assets, run_dir, fsdp_size: int):
+    sizes = {f"{role}.fsdp_config.fsdp_size": fsdp_size for role in ROLES}
+    run(config(assets, run_dir, **{**PPO_CRITIC, "critic.model.path": assets["model"], **sizes}))
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def ppo_sharded(assets, tmp_path_factory, ray_session):
+    """PPO with a critic and a reference model, every role sharded over the 2 ranks (FSDP2; the
+    quickstart preset's own setting is fsdp_size=1)."""
+    return _ppo_critic(assets, tmp_path_factory.mktemp("ppo"), fsdp_size=-1)
+
+
+def test_ppo_with_critic_two_ranks(ppo_sharded):
+    metrics = ppo_sharded
     last = metrics[2]
     assert all_finite(last)
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/grad_norm", "timing_s/values"):
@@ -63,6 +79,18 @@ def test_local_backend_matches_ray(assets, tmp_path, ray_session):
     assert sorted(ray_m) == sorted(local_m) == [1, 2]
     for step in (1, 2):
         a, b = comparable(ray_m[step]), comparable(local_m[step])
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
+
+
+def test_replicated_roles_match_sharded(assets, tmp_path, ppo_sharded):
+    # fsdp_size=1: actor, reference and critic each a whole replica per rank, gradients summed once
+    # a step (hybridrl.engine.replicate); the same steps as FSDP2's shards to float rounding
+    replicated = _ppo_critic(assets, tmp_path / "replicated", fsdp_size=1)
+    assert sorted(replicated) == sorted(ppo_sharded) == [0, 1, 2]
+    for step in (1, 2):
+        a, b = comparable(replicated[step]), comparable(ppo_sharded[step])
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
