@@ -18,6 +18,9 @@ embeddings are lookups), L layers, D = heads x head_dim per layer:
 - old log-probs, weight sync, reward and controller: 0 (an exactly on-policy update needs no old
   log-probs; a colocated rollout can read the actor's weights in place; scoring strings is not
   model work and can overlap).
+
+With several worker ranks the rows are split over them and the ranks run at once, each on its own
+cores: the floor is one rank's share, and the rate an MFU is measured against is all ranks' together.
 """
 
 from __future__ import annotations
@@ -96,12 +99,12 @@ def _attn_pairs(length: float) -> float:
     return length * (length + 1) / 2
 
 
-def forward_flops(shape: ModelShape, rows: int, length: float) -> float:
+def forward_flops(shape: ModelShape, rows: float, length: float) -> float:
     """One forward over ``rows`` sequences of ``length`` tokens."""
     return rows * (2 * shape.matmul_params * length + 4 * shape.attn_dim * _attn_pairs(length))
 
 
-def shared_forward_flops(shape: ModelShape, n: int, g: int, p: float, r: int) -> float:
+def shared_forward_flops(shape: ModelShape, n: float, g: int, p: float, r: int) -> float:
     """One forward over N prompts of ``p`` tokens, each once, and the R - 1 response tokens of its G
     rows that predict a token, attending to the prompt and causally to their own."""
     fed = max(0, r - 1)
@@ -110,7 +113,7 @@ def shared_forward_flops(shape: ModelShape, n: int, g: int, p: float, r: int) ->
     return 2 * shape.matmul_params * tokens + 4 * shape.attn_dim * pairs
 
 
-def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int) -> tuple[float, float]:
+def generation_floor(shape: ModelShape, machine: Machine, n: float, g: int, p: float, r: int) -> tuple[float, float]:
     """(FLOPs, seconds) of prefilling N prompts once and decoding R tokens for B = N*G rows."""
     flops = forward_flops(shape, n, p)
     seconds = max(flops / machine.peak_flops, shape.weight_bytes / machine.bandwidth)
@@ -122,18 +125,30 @@ def generation_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: flo
 
 
 def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r: int, with_ref: bool,
-               with_old: bool = False) -> dict:
+               with_old: bool = False, ranks: int = 1) -> dict:
     """Per-phase floor seconds (and FLOPs) of one GRPO step; keys match ``PHASES``. ``with_old``:
-    the old log-probs need their own forward pass (more than one mini-batch per batch)."""
-    gen_flops, gen_s = generation_floor(shape, machine, n, g, p, r)
-    fwd = shared_forward_flops(shape, n, g, p, r)
+    the old log-probs need their own forward pass (more than one mini-batch per batch).
+
+    ``ranks``: the step's rows split evenly over that many worker ranks running at once, each on
+    cores of its own at ``machine``'s rates (measured at one rank's thread count). The floor is then
+    one rank's share (N / ranks prompts), and ``peak_flops`` the rate of all ranks together, which an
+    MFU divides by: two one-thread ranks on two cores have twice one thread's matmul rate, and a
+    floor at one thread's rate would read their step as twice as close to the limit as it is.
+    ``flops`` are the whole step's."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    share = n / ranks
+    gen_flops, gen_s = generation_floor(shape, machine, share, g, p, r)
+    fwd = shared_forward_flops(shape, share, g, p, r)
     ref = fwd if with_ref else 0.0
     update = 3 * fwd  # backward = 2x forward
-    flops = {"gen": gen_flops, "reward": 0.0, "old_log_prob": fwd if with_old else 0.0, "ref": ref,
-             "update_actor": update, "update_weights": 0.0, "dispatch": 0.0, "controller": 0.0}
-    seconds = {k: v / machine.peak_flops for k, v in flops.items()}
+    per_rank = {"gen": gen_flops, "reward": 0.0, "old_log_prob": fwd if with_old else 0.0, "ref": ref,
+                "update_actor": update, "update_weights": 0.0, "dispatch": 0.0, "controller": 0.0}
+    seconds = {k: v / machine.peak_flops for k, v in per_rank.items()}
     seconds["gen"] = gen_s
-    return {"flops": flops, "seconds": seconds, "total_s": sum(seconds.values()), "update_flops": update}
+    return {"flops": {k: v * ranks for k, v in per_rank.items()}, "seconds": seconds,
+            "total_s": sum(seconds.values()), "update_flops": update * ranks,
+            "peak_flops": machine.peak_flops * ranks, "ranks": ranks}
 
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "controller", "dispatch")

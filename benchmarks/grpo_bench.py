@@ -125,14 +125,15 @@ def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with
 
 
 def run_hybridrl(case: Case, assets: dict, steps: int, with_ref: bool, backend: str = "local",
-                 workers: int = 1, compile_blocks: bool = False) -> list[dict]:
-    """Per-step metrics (timing_s/*, prompt_length/mean, actor/padding_ratio ...) of one run."""
+                 workers: int = 1, compile_blocks: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Per-step metrics (timing_s/*, prompt_length/mean, actor/padding_ratio ...) of one run;
+    ``extra``: more ``key=value`` overrides, after the case's."""
     from hybridrl.config import load_config
     from hybridrl.trainer.main_ppo import run
 
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
         config = load_config(hybridrl_overrides(case, assets, Path(tmp), steps, with_ref, backend, workers,
-                                                compile_blocks), preset="grpo_quickstart")
+                                                compile_blocks) + list(extra), preset="grpo_quickstart")
         run(config)
         lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -195,14 +196,16 @@ def phase_times(step: dict) -> dict[str, float]:
     return out
 
 
-def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floor: dict, peak: float) -> dict:
+def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floor: dict) -> dict:
     hyb_step = statistics.median(s["timing_s/step"] for s in hyb)
     phases = {p: statistics.median(phase_times(s)[p] for s in hyb) for p in PHASES}
     out = {
         "hybridrl_step_s": hyb_step, "hybridrl_tok_s": tokens / hyb_step,
         "hybridrl_floor_frac": floor["total_s"] / hyb_step,
         "phases_s": phases, "phase_floor_s": floor["seconds"],
-        "update_mfu": floor["update_flops"] / phases["update_actor"] / peak if phases["update_actor"] else None,
+        # against the matmul rate of every rank of the case together (``step_floor``)
+        "update_mfu": (floor["update_flops"] / phases["update_actor"] / floor["peak_flops"]
+                       if phases["update_actor"] else None),
         "padding_efficiency": statistics.median(1.0 / s["actor/padding_ratio"] for s in hyb
                                                 if s.get("actor/padding_ratio")) if hyb else None,
         # update positions computed per real token: below 1 where the group's prompt is computed once
@@ -219,6 +222,12 @@ def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floo
     return out
 
 
+def floor_ranks(args) -> int:
+    """Ranks the floor splits the step over: the Ray workers, each with ``--threads`` threads on cores
+    of its own; the local backend is one rank."""
+    return args.workers if args.backend == "ray" else 1
+
+
 def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -226,20 +235,21 @@ def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
     shape = ModelShape.of(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32))
     p = mean_prompt_tokens(assets["model"], assets["train"])
     floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref,
-                       with_old=bool(case.mini_batch) and case.mini_batch < case.n)
+                       with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
     tokens = case.n * case.g * (p + case.r)
     hyb: list[dict] = []
     trl: list[float] = []
     for rep in range(args.reps):
         hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
-                            args.compile == "on")[args.warmup:]
+                            args.compile == "on", tuple(args.override))[args.warmup:]
         if not args.no_trl:
             trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
-    result = summarize(case, hyb, trl, tokens, floor, machine.peak_flops)
+    result = summarize(case, hyb, trl, tokens, floor)
     result.update(case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
-                  tokens_per_step=tokens, floor_s=floor["total_s"], backend=args.backend, workers=args.workers,
+                  tokens_per_step=tokens, floor_s=floor["total_s"], floor_ranks=floor["ranks"],
+                  floor_peak_flops=floor["peak_flops"], overrides=args.override, backend=args.backend, workers=args.workers,
                   hybridrl_compile=args.compile == "on", trl_compile=args.trl_compile == "on")
     return result
 
@@ -259,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hybridrl: actor_rollout_ref.actor.use_torch_compile (compiled transformer blocks)")
     parser.add_argument("--trl-compile", default="on", choices=("on", "off"),
                         help="TRL: GRPOConfig(torch_compile=...) (transformers' Trainer compiles the model)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a hybridrl config override after the case's (repeatable), e.g. "
+                             "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1")
     parser.add_argument("--tag", default="", help="suffix of the result file")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")

@@ -47,7 +47,7 @@ def case_name(row: dict) -> str:
 
 def e2e_table(rows: list[dict]) -> str:
     lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
-             "| hybridrl tok/s | TRL tok/s | speedup | matmul GFLOP/s | floor s | hybridrl % of floor | TRL % of floor "
+             "| hybridrl tok/s | TRL tok/s | speedup | matmul GFLOP/s (ranks) | floor s | hybridrl % of floor | TRL % of floor "
              "| runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -56,11 +56,18 @@ def e2e_table(rows: list[dict]) -> str:
         lines.append(
             f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
             f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
-            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {r['record']['machine']['peak_flops'] / 1e9:.0f} | "
+            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {peak_text(r)} | "
             f"{r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
             f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} |")
     return "\n".join(lines)
+
+
+def peak_text(row: dict) -> str:
+    """The matmul rate the row's floor runs at: one rank's measured rate times its ranks."""
+    ranks = row.get("floor_ranks", 1)
+    peak = row.get("floor_peak_flops", row["record"]["machine"]["peak_flops"])
+    return f"{peak / 1e9:.0f}" + (f" ({ranks} x {peak / ranks / 1e9:.0f})" if ranks > 1 else "")
 
 
 def compiled(row: dict) -> str:
@@ -136,7 +143,8 @@ def machine_text(rows: list[dict]) -> str:
     m, v = rec["machine"], rec["versions"]
     return (f"{platform.processor() or platform.machine()}, {rec['threads']} torch thread(s); measured at the start of "
             f"each case's run (first case: fp32 matmul {m['peak_flops'] / 1e9:.1f} GFLOP/s, memory read "
-            f"{m['bandwidth'] / 1e9:.1f} GB/s; each case's matmul rate is in its row, and its floor uses it); "
+            f"{m['bandwidth'] / 1e9:.1f} GB/s; each case's matmul rate is in its row, and its floor uses it: with n "
+            f"Ray ranks, n times one rank's rate, each rank running its share of the rows on cores of its own); "
             f"load average at the end {rec['load_avg_end']:.1f}. Versions: "
             + ", ".join(f"{k} {val}" for k, val in v.items()))
 

@@ -1,0 +1,33 @@
+"""benchmarks/floor.py: the floor of a step split over ranks that run at once (issue 10)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from floor import Machine, ModelShape, step_floor  # noqa: E402
+
+SHAPE = ModelShape(matmul_params=600_000, attn_dim=3 * 128, weight_bytes=2_400_000, params=720_000)
+MACHINE = Machine(peak_flops=200e9, bandwidth=40e9)
+
+
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_ranks_split_the_rows_and_add_their_rates(with_ref):
+    whole = step_floor(SHAPE, MACHINE, 16, 8, 14.0, 64, with_ref)
+    two = step_floor(SHAPE, MACHINE, 16, 8, 14.0, 64, with_ref, ranks=2)
+    half = step_floor(SHAPE, MACHINE, 8, 8, 14.0, 64, with_ref)
+    # each rank does half the rows at one rank's rate, at the same time as the other
+    assert two["seconds"] == half["seconds"] and two["total_s"] == half["total_s"]
+    assert two["total_s"] < whole["total_s"]
+    # the work is the whole step's, measured against both ranks' rate: MFU = flops / (time x peak)
+    assert two["update_flops"] == pytest.approx(whole["update_flops"])
+    assert two["flops"] == pytest.approx(whole["flops"])
+    assert (two["peak_flops"], whole["peak_flops"]) == (2 * MACHINE.peak_flops, MACHINE.peak_flops)
+    assert two["update_flops"] / two["peak_flops"] == pytest.approx(two["seconds"]["update_actor"])
+
+
+def test_ranks_below_one_are_refused():
+    with pytest.raises(ValueError, match="ranks must be at least 1"):
+        step_floor(SHAPE, MACHINE, 16, 8, 14.0, 64, False, ranks=0)
