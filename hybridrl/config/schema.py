@@ -315,7 +315,7 @@ class RewardModelConfig:
     max_length: int | None = opt(None, "RM input length cap (null: P + R)")
     use_dynamic_bsz: bool = opt(ref("critic.use_dynamic_bsz"), "token-budget micro batches")
     forward_max_token_len_per_gpu: int = opt(ref("critic.forward_max_token_len_per_gpu"), "token budget per device")
-    reward_manager: str = opt("naive", "how rule rewards are computed over a batch", ("naive", "batch", "prime", "dapo"))
+    reward_manager: str = opt("naive", "how the reward function is called: once per row (naive, prime, dapo; reward.num_workers parallelises) or once per batch with lists (batch)", ("naive", "batch", "prime", "dapo"))
     launch_reward_fn_async: bool = opt(False, "compute rule rewards concurrently with the log-prob stages")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong reward shaping (reward_manager=dapo)")
 

@@ -203,6 +203,10 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
         errors.append("reward_model.enable=true: model-based reward models (a sequence-classification model scoring "
                       "the responses) are not implemented; rewards come from custom_reward_function.path or the "
                       "built-in rule scorers (docs/rewards.md)")
+    if cfg.reward_model.reward_manager == "batch" and not cfg.custom_reward_function.path:
+        errors.append("reward_model.reward_manager=batch calls the reward function once per batch with lists "
+                      "(data_sources, solution_strs, ground_truths, extra_infos); the built-in scorers take one "
+                      "sample: set custom_reward_function.path to a batched function")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> folder)")
     val = arr.rollout.val_kwargs

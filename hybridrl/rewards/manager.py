@@ -13,6 +13,11 @@ scores 0 and counts it in ``reward/errors`` or ``reward/timeouts``.
 
 ``num_workers=0`` scores in this process: cheapest, but ``timeout_s`` cannot be enforced there (a
 hung function hangs the caller); use ``num_workers >= 1`` for untrusted or slow functions.
+
+``batched=True`` is verl's ``reward_manager=batch``: the function is called once per batch with
+lists, ``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)``, and returns one result
+per row (a number or a dict with ``"score"``, as above), in order. A failure of that call, or a
+result that is not a list of one result per row, fails every row of the batch.
 """
 
 from __future__ import annotations
@@ -120,6 +125,8 @@ class RewardManager:
         overlong_buffer: DAPO overlong penalty, or None.
         mp_context: ``"spawn"`` or ``"forkserver"`` for the worker processes.
         reward_fn_key: the non-tensor column passed as ``data_source`` (``data.reward_fn_key``).
+        batched: call the function once per batch with lists (module docstring); ``timeout_s`` then
+            limits that one call.
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class RewardManager:
         overlong_buffer: OverlongBuffer | None = None,
         mp_context: str = "spawn",
         reward_fn_key: str = "data_source",
+        batched: bool = False,
     ) -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"reward on_error must be one of {_ON_ERROR}, got {on_error!r}")
@@ -141,7 +149,7 @@ class RewardManager:
         self.tokenizer = tokenizer
         self.score_fn = bind_kwargs(compute_score or default_compute_score, reward_kwargs)
         self.num_workers, self.timeout_s, self.on_error = num_workers, timeout_s, on_error
-        self.overlong_buffer, self.reward_fn_key = overlong_buffer, reward_fn_key
+        self.overlong_buffer, self.reward_fn_key, self.batched = overlong_buffer, reward_fn_key, batched
         self._pool = ScoringPool(num_workers, timeout_s, mp_context) if num_workers > 0 else None
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -150,7 +158,7 @@ class RewardManager:
         ``{"reward_extra_info": {key: list of B}, "metrics": {name: float}, "errors": [...]}``."""
         lengths = response_lengths(data)
         tasks = self._build_tasks(data, lengths)
-        outcomes = self._pool.map(self.score_fn, tasks) if self._pool else [run_task(self.score_fn, t) for t in tasks]
+        outcomes = self._score_batch(tasks) if self.batched else self._score(tasks)
         scores, per_sample, failures = self._collect(outcomes, tasks)
         metrics = {
             "reward/errors": float(sum(not f.timed_out for f in failures)),
@@ -197,6 +205,26 @@ class RewardManager:
                 }
             )
         return tasks
+
+    def _score(self, tasks: list[dict[str, Any]]) -> list[TaskOutcome]:
+        return self._pool.map(self.score_fn, tasks) if self._pool else [run_task(self.score_fn, t) for t in tasks]
+
+    def _score_batch(self, tasks: list[dict[str, Any]]) -> list[TaskOutcome]:
+        """One call with the rows' lists (verl's batch signature) -> one outcome per row."""
+        if not tasks:
+            return []
+        lists = {plural: [t[key] for t in tasks] for key, plural in
+                 (("data_source", "data_sources"), ("solution_str", "solution_strs"),
+                  ("ground_truth", "ground_truths"), ("extra_info", "extra_infos"))}
+        (outcome,) = self._score([lists])
+        if outcome.ok and not (isinstance(outcome.value, list | tuple) and len(outcome.value) == len(tasks)):
+            got = f"{type(outcome.value).__name__} of {len(outcome.value)}" if isinstance(
+                outcome.value, list | tuple) else repr(outcome.value)[:80]
+            outcome = TaskOutcome(error=f"a batched reward function must return a list of {len(tasks)} results "
+                                        f"(one per row, in order), got {got}")
+        if not outcome.ok:
+            return [outcome] * len(tasks)
+        return [TaskOutcome(value=value) for value in outcome.value]
 
     def _collect(
         self, outcomes: list[TaskOutcome], tasks: list[dict[str, Any]]

@@ -57,7 +57,7 @@ def build_reward_manager(config, tokenizer, for_validation: bool = False) -> Rew
     return RewardManager(tokenizer, compute_score=fn, reward_kwargs=dict(custom.reward_kwargs),
                          num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                          on_error=config.reward.on_error, overlong_buffer=overlong,
-                         reward_fn_key=config.data.reward_fn_key)
+                         reward_fn_key=config.data.reward_fn_key, batched=rm.reward_manager == "batch")
 
 
 def total_training_steps(config, train_loader) -> int:

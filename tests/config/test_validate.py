@@ -86,6 +86,7 @@ def test_critic_checked_only_when_in_use():
         (["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], "offload_policy=true needs an accelerator"),
         (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=0 must be in [1"),
         (["reward_model.enable=true"], "reward_model.enable=true: model-based reward models"),
+        (["reward_model.reward_manager=batch"], "reward_model.reward_manager=batch calls the reward function once per batch"),
     ],
 )
 def test_consistency_errors(overrides, fragment):

@@ -213,3 +213,63 @@ def test_response_lengths_from_either_mask_and_reward_fn_key(tokenizer):
     scores, _ = RewardManager(tokenizer, reward_fn_key="task")(data)
     assert scores.sum(-1).tolist() == [1.0, 1.0, 0.0]  # "" scores 1.0 against "" on the EOS at index 0
     assert scores[1, 0] == 1.0
+
+
+BATCHED = """
+calls = []
+
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos=None, bonus=0.0):
+    calls.append(len(solution_strs))
+    out = []
+    for source, text, truth, info in zip(data_sources, solution_strs, ground_truths, extra_infos):
+        out.append({"score": float(text == truth) + bonus, "row": info["index"], "calls": len(calls)})
+    return out
+
+
+def too_few(data_sources, solution_strs, ground_truths, extra_infos=None):
+    return [1.0] * (len(solution_strs) - 1)
+
+
+def raises(data_sources, solution_strs, ground_truths, extra_infos=None):
+    raise RuntimeError("batch boom")
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_batched_function_is_called_once_per_batch_with_lists(tokenizer, tmp_path, num_workers):
+    # verl's reward_manager=batch: one call, the rows' lists in order, one result per row
+    fn = load_reward_function(write_reward_file(tmp_path, BATCHED), "compute_score", reward_kwargs={"bonus": 0.5})
+    data = make_batch(tokenizer, ["357", "12", "4"], ["357", "13", "4"])
+    with RewardManager(tokenizer, fn, num_workers=num_workers, batched=True) as manager:
+        scores, extra = manager(data)
+    lengths = data.batch["response_mask"].sum(-1)
+    assert [scores[i, n - 1].item() for i, n in enumerate(lengths.tolist())] == [1.5, 0.5, 1.5]
+    assert extra["reward_extra_info"]["row"] == [0, 1, 2]
+    assert extra["reward_extra_info"]["calls"] == [1, 1, 1]  # a single call scored all three
+
+
+@pytest.mark.parametrize("name, match", [("too_few", "must return a list of 2 results"), ("raises", "batch boom")])
+def test_batched_function_failures_fail_every_row(tokenizer, tmp_path, name, match):
+    fn = load_reward_function(write_reward_file(tmp_path, BATCHED), name)
+    data = make_batch(tokenizer, ["1", "2"], ["1", "2"])
+    scores, extra = RewardManager(tokenizer, fn, batched=True, on_error="zero")(data)
+    assert scores.abs().sum() == 0.0 and extra["metrics"]["reward/errors"] == 2.0
+    assert all(match in e["error"] for e in extra["errors"])
+    with pytest.raises(RewardFunctionError, match=match):
+        RewardManager(tokenizer, fn, batched=True)(data)
+
+
+def test_reward_manager_batch_key_reaches_the_trainers_manager(tokenizer, tmp_path):
+    from hybridrl.config import load_config
+    from hybridrl.trainer.main_ppo import build_reward_manager
+
+    path = write_reward_file(tmp_path, BATCHED)
+    cfg = load_config(["reward_model.reward_manager=batch", f"custom_reward_function.path={path}",
+                       "custom_reward_function.name=compute_score"], preset="grpo_quickstart")
+    manager = build_reward_manager(cfg, tokenizer)
+    scores, extra = manager(make_batch(tokenizer, ["357", "12"], ["357", "13"]))
+    assert manager.batched and extra["reward_extra_info"]["calls"] == [1, 1]
+    assert scores.sum(-1).tolist() == [1.0, 0.0]
+    assert not build_reward_manager(load_config([], preset="grpo_quickstart"), tokenizer).batched
