@@ -88,7 +88,7 @@ class FSDPConfig:
     optimizer_offload: bool = opt(False, "keep optimizer state on CPU between steps (GPU only)")
     offload_policy: bool = opt(False, "FSDP2 CPUOffloadPolicy for params/grads/optimizer (needs an accelerator)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (FSDP2; false: keep them for backward, one gather less per block)")
-    fsdp_size: int = opt(-1, "ranks per FSDP shard group: -1 all ranks; 1 a whole replica on each rank, gradients summed once a step (no gathers; other sizes, HSDP, are refused)")
+    fsdp_size: int = opt(-1, "ranks per FSDP shard group: -1 all ranks; 1 a whole replica on each rank, gradients summed once a step (no gathers); a divisor of the world size shards within groups of that many ranks, replicated across groups (HSDP)")
     forward_prefetch: bool = opt(False, "gather the next block's parameters when a block's forward starts (FSDP2)")
     model_dtype: str = opt("fp32", "dtype the model weights are kept in", ("fp32", "bf16", "fp16"))
 

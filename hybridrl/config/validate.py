@@ -246,12 +246,13 @@ def _fsdp_sections(cfg: HybridRLConfig) -> dict:
 
 def _check_fsdp_size(cfg: HybridRLConfig) -> list[str]:
     """fsdp_size as verl reads it: -1 (or at least the world size) shards over every rank, 1 keeps a
-    whole replica on each; shard groups of some ranks replicated across groups (HSDP) are not built."""
+    whole replica on each, a size between that divides the world shards within groups of that many
+    ranks replicated across the groups (HSDP)."""
     world = cfg.trainer.world_size
     return [f"{prefix}.fsdp_config.fsdp_size={fsdp.fsdp_size} with the {_world_text(cfg)}: use -1 (shard over "
-            "all ranks) or 1 (a whole replica on each rank, gradients summed); shard groups of some ranks "
-            "(HSDP) are not implemented" for prefix, fsdp in _fsdp_sections(cfg).items()
-            if fsdp.fsdp_size == 0 or 1 < fsdp.fsdp_size < world]
+            "all ranks), 1 (a whole replica on each rank) or a size that divides the world size (HSDP: shard "
+            "groups of that many ranks)" for prefix, fsdp in _fsdp_sections(cfg).items()
+            if fsdp.fsdp_size == 0 or (1 < fsdp.fsdp_size < world and world % fsdp.fsdp_size)]
 
 
 def _check_offload(cfg: HybridRLConfig) -> list[str]:

@@ -40,6 +40,7 @@ def shard_model(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     forward_prefetch: bool = False,
+    shard_size: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``group`` with FSDP2 and return it.
 
@@ -51,8 +52,12 @@ def shard_model(
     ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward to its
     backward (one gather per block per micro-batch instead of two, for a block's worth of memory
     each); ``forward_prefetch`` gathers the next block's parameters when a block's forward starts.
+
+    ``shard_size`` between 1 and the group's size (dividing it): HSDP, each parameter sharded over
+    groups of that many consecutive ranks and replicated across the groups (a 2-D mesh, replicas x
+    shard); gradients are reduce-scattered within a shard group and summed across the groups.
     """
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = _mesh(group, device_type, shard_size)
     mp = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=None if reduce_dtype == torch.float32 else reduce_dtype,
@@ -70,3 +75,18 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _mesh(group: dist.ProcessGroup, device_type: str, shard_size: int | None) -> DeviceMesh:
+    """1-D over ``group``, or HSDP's (replicas, shard_size) over the same ranks."""
+    world = dist.get_world_size(group)
+    if shard_size is None or not 1 < shard_size < world:
+        return DeviceMesh.from_group(group, device_type)
+    if world % shard_size:
+        raise ValueError(f"fsdp_size={shard_size} does not divide the {world} ranks")
+    if world != dist.get_world_size():
+        # the mesh's shard and replica groups are made collectively over every process
+        raise ValueError(f"fsdp_size={shard_size} (HSDP) needs the engine's group to be every process "
+                         f"({world} of {dist.get_world_size()} ranks here)")
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(world // shard_size, shard_size)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "shard"))

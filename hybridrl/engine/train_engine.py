@@ -75,7 +75,8 @@ class TrainEngine:
         fsdp_size: ranks per shard group, as verl's ``fsdp_config.fsdp_size``: -1 (or at least the
             world size) shards over all ranks; 1 keeps the whole model on every rank and sums the
             gradients once per step (``hybridrl.engine.replicate``; a lower ``param_dtype`` then runs
-            under autocast as at world size 1). Other sizes (HSDP) raise.
+            under autocast as at world size 1). A size between that divides the world size shards
+            within groups of that many ranks, replicated across the groups (HSDP).
         reshard_after_forward, forward_prefetch: FSDP2's, when sharded (``fsdp.shard_model``).
     """
 
@@ -112,11 +113,11 @@ class TrainEngine:
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         # fsdp_size as verl reads it: ranks per shard group, -1 (or the world size and above) all of
-        # them; 1 makes whole-model replicas that sum their gradients (hybridrl.engine.replicate)
-        if fsdp_size == 0 or 1 < fsdp_size < self.world_size:
-            raise ValueError(f"fsdp_size={fsdp_size} with {self.world_size} ranks: hybridrl shards over all ranks "
-                             "(-1) or keeps a whole replica on each (1); shard groups of some ranks replicated "
-                             "across groups (HSDP) are not implemented")
+        # them; 1 makes whole-model replicas that sum their gradients (hybridrl.engine.replicate);
+        # sizes in between shard within groups replicated across them (HSDP, fsdp.shard_model)
+        if fsdp_size == 0 or (1 < fsdp_size < self.world_size and self.world_size % fsdp_size):
+            raise ValueError(f"fsdp_size={fsdp_size} with {self.world_size} ranks: use -1 (shard over all ranks), "
+                             "1 (a whole replica on each) or a size that divides the ranks (HSDP)")
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         reduce = resolve_dtype(reduce_dtype, "reduce_dtype")
         model.to(self.device)
@@ -134,7 +135,8 @@ class TrainEngine:
         self.reduce_dtype = reduce
         if self.sharded:
             model = shard_model(model, self.group, self.device.type, self.param_dtype, reduce,
-                                reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch)
+                                reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
+                                shard_size=fsdp_size)
         elif self.replicated:
             broadcast_parameters(model, self.group)
         self.model = model

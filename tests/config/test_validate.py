@@ -101,8 +101,10 @@ def test_fsdp_size_shards_over_all_ranks_or_replicates():
         assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
     message = errors_of("actor_rollout_ref.ref.fsdp_config.fsdp_size=0")
     assert "actor_rollout_ref.ref.fsdp_config.fsdp_size=0 with the world size 2" in message
-    # shard groups of 2 ranks replicated twice over 4 ranks (HSDP): refused, naming the key
-    message = errors_of("trainer.n_cpu_workers=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                        "critic.model.fsdp_config.fsdp_size=2")
-    assert "critic.model.fsdp_config.fsdp_size=2 with the world size 4" in message
-    assert "(HSDP) are not implemented" in message
+    # over 4 ranks: shard groups of 2 replicated twice (HSDP) load; groups of 3 do not divide 4
+    four = ["trainer.n_cpu_workers=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+    cfg = load_config([*BASE, *four, "critic.model.fsdp_config.fsdp_size=2"], preset="grpo_quickstart")
+    assert cfg.critic.model.fsdp_config.fsdp_size == 2
+    message = errors_of(*four, "critic.model.fsdp_config.fsdp_size=3")
+    assert "critic.model.fsdp_config.fsdp_size=3 with the world size 4" in message
+    assert "a size that divides the world size (HSDP" in message

@@ -165,13 +165,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(script: Path, out: Path, **env_extra: str) -> list[dict]:
-    """Run ``script out`` as ranks 0 and 1 of a gloo group; returns what each saved to ``rank<r>.pt``.
-    A rank that fails or runs past 240 s fails the caller with the end of its log."""
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+def run_two_ranks(script: Path, out: Path, world: int = 2, **env_extra: str) -> list[dict]:
+    """Run ``script out`` as ranks 0 .. world - 1 (two by default) of a gloo group; returns what each
+    saved to ``rank<r>.pt``. A rank that fails or runs past 240 s fails the caller with the end of its log."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env_extra)
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         log = open(out / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(script), str(out)], env=dict(env, RANK=str(rank)),
                                        stdout=log, stderr=subprocess.STDOUT), log))
@@ -184,4 +184,4 @@ def run_two_ranks(script: Path, out: Path, **env_extra: str) -> list[dict]:
             log.close()
     for rank, (proc, _) in enumerate(procs):
         assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

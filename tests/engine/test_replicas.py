@@ -1,6 +1,7 @@
 """fsdp_size=1 over 2 gloo processes: whole-model replicas that sum their gradients equal world
 size 1 on the same batches, stay bit-identical, and checkpoint to and from FSDP2 shards; FSDP2's
-reshard_after_forward=False and forward_prefetch give the same steps."""
+reshard_after_forward=False and forward_prefetch give the same steps; fsdp_size=2 over 4 processes
+(HSDP) does too."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from .helpers import build_model, make_batch, params_of, pg_loss_fn, run_two_ran
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("replica_worker.py")
+HSDP_WORKER = Path(__file__).with_name("hsdp_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +29,10 @@ def single():
     tokens = [int(b.batch["response_mask"].sum()) for b in batches]
     engine = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5)
     fwd = engine.forward(batches[0], temperature=0.7, calculate_entropy=True)
+    fwd_plain = engine.forward(batches[0], temperature=0.7)
     m1 = engine.train_step(batches[0], pg_loss_fn(tokens[0]))
     m2 = engine.train_step(batches[1], pg_loss_fn(tokens[1]))
-    return {"fwd": fwd, "m1": m1, "m2": m2, "params": params_of(engine.model)}
+    return {"fwd": fwd, "fwd_plain": fwd_plain, "m1": m1, "m2": m2, "params": params_of(engine.model)}
 
 
 def _same_step(got: dict, want: dict) -> None:
@@ -76,7 +79,35 @@ def test_gradients_missing_on_some_ranks_count_as_zeros_there(ranks):
         assert res["partial"]["c"] is None  # no rank had one: left alone, as at world size 1
 
 
-def test_shard_groups_of_some_ranks_are_refused():
-    # a single process: the check needs only the world size, and a group of one has none to refuse
+def test_a_shard_size_of_zero_is_refused():
     with pytest.raises(ValueError, match="fsdp_size=0"):
         TrainEngine(build_model(), lr=1e-3, fsdp_size=0)
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    """fsdp_size=2 over 4 ranks: shard groups of two, replicated twice (HSDP)."""
+    return run_two_ranks(HSDP_WORKER, tmp_path_factory.mktemp("hsdp"), world=4)
+
+
+def test_hsdp_shards_within_groups_and_matches_world_size_1(hsdp, single):
+    for res in hsdp:
+        assert res["mesh"] == ((2, 2), ("replicate", "shard"))
+        torch.testing.assert_close(res["log_probs"], single["fwd_plain"].batch["log_probs"][res["rows"]],
+                                   rtol=0, atol=2e-6)
+        _same_step(res["m1"], single["m1"])
+        _same_step(res["m2"], single["m2"])
+        # each parameter split over the two ranks of a shard group, not over all four
+        assert {n: r for n, r in res["local_rows"].items()} == {
+            n: -(-p.shape[0] // 2) for n, p in single["params"].items()}
+        assert res["synced"] == list(single["params"])
+        for name, p in res["full"].items():
+            assert torch.equal(p, hsdp[0]["full"][name])
+            torch.testing.assert_close(p, single["params"][name], rtol=0, atol=1e-5)
+
+
+def test_hsdp_checkpoints_resume_exactly_and_move_to_full_shards(hsdp, single):
+    for res in hsdp:
+        assert res["resumed_equal"]
+        assert (res["m2_resumed"]["loss"], res["m2_resumed"]["grad_norm"]) == (res["m2"]["loss"], res["m2"]["grad_norm"])
+        _same_step(res["m2_sharded"], single["m2"])
