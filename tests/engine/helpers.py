@@ -165,8 +165,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(script: Path, out: Path, world: int = 2, **env_extra: str) -> list[dict]:
-    """Run ``script out`` as ranks 0 .. world - 1 (two by default) of a gloo group; returns what each
+def run_ranks(script: Path, out: Path, world: int = 2, **env_extra: str) -> list[dict]:
+    """Run ``script out`` as ranks 0 .. world - 1 of a gloo group; returns what each
     saved to ``rank<r>.pt``. A rank that fails or runs past 240 s fails the caller with the end of its log."""
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env_extra)

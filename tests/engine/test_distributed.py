@@ -15,7 +15,7 @@ from .helpers import (
     make_group_batch,
     params_of,
     pg_loss_fn,
-    run_two_ranks,
+    run_ranks,
     shared_computed,
 )
 
@@ -41,7 +41,7 @@ def two_ranks(tmp_path_factory, backend):
     """Run dist_worker.py as ranks 0 and 1; returns (their result dicts, output dir)."""
     out = tmp_path_factory.mktemp("dist")
     _world_size_1_checkpoint(out / "ckpt_ws1")
-    return run_two_ranks(WORKER, out, HYBRIDRL_CPU_MATMUL=backend), out
+    return run_ranks(WORKER, out, HYBRIDRL_CPU_MATMUL=backend), out
 
 
 def _world_size_1_checkpoint(path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from hybridrl.engine import TrainEngine
 
-from .helpers import build_model, make_batch, params_of, pg_loss_fn, run_two_ranks
+from .helpers import build_model, make_batch, params_of, pg_loss_fn, run_ranks
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("replica_worker.py")
@@ -19,7 +19,7 @@ HSDP_WORKER = Path(__file__).with_name("hsdp_worker.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_two_ranks(WORKER, tmp_path_factory.mktemp("replicas"))
+    return run_ranks(WORKER, tmp_path_factory.mktemp("replicas"))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_a_shard_size_of_zero_is_refused():
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory):
     """fsdp_size=2 over 4 ranks: shard groups of two, replicated twice (HSDP)."""
-    return run_two_ranks(HSDP_WORKER, tmp_path_factory.mktemp("hsdp"), world=4)
+    return run_ranks(HSDP_WORKER, tmp_path_factory.mktemp("hsdp"), world=4)
 
 
 def test_hsdp_shards_within_groups_and_matches_world_size_1(hsdp, single):
