@@ -77,16 +77,16 @@ class DataConfig:
 # ---------------------------------------------------------------------------------------------- model
 @dataclass(frozen=True)
 class WrapPolicyConfig:
-    min_num_params: int = opt(0, "wrap every module with at least this many parameters (0: wrap decoder layers)")
-    transformer_layer_cls_to_wrap: tuple[str, ...] | None = opt(None, "layer class names to shard as units (null: the model's decoder layer)")
+    min_num_params: int = opt(0, "wrap every module with at least this many parameters (not used: each decoder layer is a unit; set, it warns)")
+    transformer_layer_cls_to_wrap: tuple[str, ...] | None = opt(None, "layer class names to shard as units (not used: the model's decoder layer is; set, it warns)")
 
 
 @dataclass(frozen=True)
 class FSDPConfig:
     wrap_policy: WrapPolicyConfig = section(WrapPolicyConfig, "which modules become FSDP units")
-    param_offload: bool = opt(False, "keep parameters on CPU between uses (GPU only)")
-    optimizer_offload: bool = opt(False, "keep optimizer state on CPU between steps (GPU only)")
-    offload_policy: bool = opt(False, "FSDP2 CPUOffloadPolicy for params/grads/optimizer (needs an accelerator)")
+    param_offload: bool = opt(False, "keep parameters on CPU between uses (GPU only; not implemented: set, it warns)")
+    optimizer_offload: bool = opt(False, "keep optimizer state on CPU between steps (GPU only; not implemented: set, it warns)")
+    offload_policy: bool = opt(False, "FSDP2 CPUOffloadPolicy for params/grads/optimizer (needs an accelerator; not implemented: set, it warns)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (FSDP2; false: keep them for backward, one gather less per block)")
     fsdp_size: int = opt(-1, "ranks per FSDP shard group: -1 all ranks; 1 a whole replica on each rank, gradients summed once a step (no gathers); a divisor of the world size shards within groups of that many ranks, replicated across groups (HSDP)")
     forward_prefetch: bool = opt(False, "gather the next block's parameters when a block's forward starts (FSDP2)")

@@ -227,6 +227,7 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
         errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {_world_text(cfg)}")
     errors += _check_offload(cfg)
     errors += _check_fsdp_size(cfg)
+    _warn_unread_fsdp_keys(cfg)
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable and not 0 < overlong.len <= cfg.data.max_response_length:
         errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in [1, data.max_response_length="
@@ -253,6 +254,26 @@ def _check_fsdp_size(cfg: HybridRLConfig) -> list[str]:
             "all ranks), 1 (a whole replica on each rank) or a size that divides the world size (HSDP: shard "
             "groups of that many ranks)" for prefix, fsdp in _fsdp_sections(cfg).items()
             if fsdp.fsdp_size == 0 or (1 < fsdp.fsdp_size < world and world % fsdp.fsdp_size)]
+
+
+def _warn_unread_fsdp_keys(cfg: HybridRLConfig) -> None:
+    """verl's FSDP keys that hybridrl keeps in its schema (so that verl scripts load) but does not
+    act on: set to anything but their default, they warn, naming the key and what happens instead."""
+    gpu = cfg.trainer.device != "cpu"
+    for prefix, fsdp in _fsdp_sections(cfg).items():
+        unread = []
+        units = "each decoder layer (the model's _no_split_modules) is one FSDP unit, the rest the root unit"
+        if fsdp.wrap_policy.min_num_params:
+            unread.append((f"wrap_policy.min_num_params={fsdp.wrap_policy.min_num_params}", units))
+        if fsdp.wrap_policy.transformer_layer_cls_to_wrap is not None:
+            names = ",".join(fsdp.wrap_policy.transformer_layer_cls_to_wrap)
+            unread.append((f"wrap_policy.transformer_layer_cls_to_wrap=[{names}]", units))
+        for key in ("param_offload", "optimizer_offload") + (("offload_policy",) if gpu else ()):
+            if getattr(fsdp, key):
+                unread.append((f"{key}=true", "offloading is not implemented, parameters, gradients and optimizer "
+                                              "state stay on the device" if gpu else "the CPU already holds them"))
+        for key, what in unread:
+            warnings.warn(f"{prefix}.fsdp_config.{key} is not used: {what}", ConfigWarning, stacklevel=5)
 
 
 def _check_offload(cfg: HybridRLConfig) -> list[str]:

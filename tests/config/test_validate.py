@@ -1,8 +1,10 @@
 """Batch-size arithmetic and cross-key checks: each error shows the numbers and names the keys."""
 
+import warnings
+
 import pytest
 
-from hybridrl.config import ConfigError, load_config
+from hybridrl.config import ConfigError, ConfigWarning, load_config
 
 # N=16 prompts, G=4, world size 2 (cpu workers): B=64, mini 8 prompts -> 32 sequences -> 16 per device.
 # Batch sizes pinned here so the tests do not follow the quickstart preset's tuning.
@@ -108,3 +110,19 @@ def test_fsdp_size_shards_over_all_ranks_or_replicates():
     message = errors_of(*four, "critic.model.fsdp_config.fsdp_size=3")
     assert "critic.model.fsdp_config.fsdp_size=3 with the world size 4" in message
     assert "a size that divides the world size (HSDP" in message
+
+
+def test_fsdp_keys_hybridrl_does_not_act_on_warn_naming_the_key():
+    overrides = [*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                 "critic.model.fsdp_config.wrap_policy.min_num_params=1000",
+                 "actor_rollout_ref.ref.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"]
+    with pytest.warns(ConfigWarning) as record:
+        load_config(overrides, preset="grpo_quickstart")
+    messages = "\n".join(str(w.message) for w in record)
+    assert "actor_rollout_ref.actor.fsdp_config.param_offload=true is not used: the CPU already holds them" in messages
+    assert "critic.model.fsdp_config.wrap_policy.min_num_params=1000 is not used" in messages
+    assert "actor_rollout_ref.ref.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]" in messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # the defaults warn about nothing
+        load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], preset="grpo_quickstart")
