@@ -229,6 +229,10 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     errors += _check_fsdp_size(cfg)
     _warn_unread_fsdp_keys(cfg)
     overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable and cfg.reward_model.reward_manager != "dapo":
+        warnings.warn(f"reward_model.overlong_buffer.enable=true with reward_model.reward_manager="
+                      f"{cfg.reward_model.reward_manager}: hybridrl applies the overlong penalty with any manager, "
+                      "verl only with reward_manager=dapo (set it to compare runs)", ConfigWarning, stacklevel=4)
     if overlong.enable and not 0 < overlong.len <= cfg.data.max_response_length:
         errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in [1, data.max_response_length="
                       f"{cfg.data.max_response_length}] when overlong_buffer.enable=true")

@@ -126,3 +126,13 @@ def test_fsdp_keys_hybridrl_does_not_act_on_warn_naming_the_key():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)  # the defaults warn about nothing
         load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], preset="grpo_quickstart")
+
+
+def test_overlong_buffer_outside_dapo_warns_that_verl_would_not_apply_it():
+    overrides = [*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                 "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=8"]
+    with pytest.warns(ConfigWarning, match="verl only with reward_manager=dapo"):
+        load_config(overrides, preset="grpo_quickstart")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # with dapo, as in verl: nothing to say
+        load_config([*overrides, "reward_model.reward_manager=dapo"], preset="grpo_quickstart")
