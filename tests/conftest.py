@@ -42,12 +42,9 @@ def one_rank_env(monkeypatch):
     """The environment a launcher gives the only rank of a group (RANK, WORLD_SIZE, a free
     MASTER_PORT); the test initialises and destroys the group itself. torch's thread count, which
     joining a group may change, is restored."""
-    import socket
+    from hybridrl.engine.distributed import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     threads = torch.get_num_threads()
     yield

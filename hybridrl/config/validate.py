@@ -264,9 +264,9 @@ def _warn_unread_fsdp_keys(cfg: HybridRLConfig) -> None:
     """verl's FSDP keys that hybridrl keeps in its schema (so that verl scripts load) but does not
     act on: set to anything but their default, they warn, naming the key and what happens instead."""
     gpu = cfg.trainer.device != "cpu"
+    units = "each decoder layer (the model's _no_split_modules) is one FSDP unit, the rest the root unit"
     for prefix, fsdp in _fsdp_sections(cfg).items():
         unread = []
-        units = "each decoder layer (the model's _no_split_modules) is one FSDP unit, the rest the root unit"
         if fsdp.wrap_policy.min_num_params:
             unread.append((f"wrap_policy.min_num_params={fsdp.wrap_policy.min_num_params}", units))
         if fsdp.wrap_policy.transformer_layer_cls_to_wrap is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "all_reduce_sum",
     "default_device",
     "destroy_distributed",
+    "free_port",
     "get_rank",
     "get_world_size",
     "init_distributed",
@@ -75,6 +77,13 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: the ``MASTER_PORT`` of a group whose ranks share this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:

@@ -48,7 +48,7 @@ def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def broadcast_parameters(model: nn.Module, group, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Give every rank of ``group`` the parameters and buffers of its first rank (collective)."""
-    src = dist.get_global_rank(group, 0) if group is not None and group is not dist.group.WORLD else 0
+    src = dist.get_global_rank(group, 0)
     tensors = [t.data for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
     for bucket in _buckets(tensors, bucket_bytes):
         flat = torch.cat([t.reshape(-1) for t in bucket])
@@ -76,6 +76,6 @@ def sum_gradients(params: list[nn.Parameter], group, reduce_dtype: torch.dtype |
         grads.append(p.grad)
     for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        wire = flat if reduce_dtype is None or reduce_dtype == flat.dtype else flat.to(reduce_dtype)
+        wire = flat.to(reduce_dtype) if reduce_dtype is not None else flat  # no copy when it is the dtype
         dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
         _copy_back(wire, bucket)  # copy_ casts back from the reduce dtype

@@ -228,8 +228,7 @@ class TrainEngine:
             for key, value in metrics.items():
                 user_metrics[key].append(float(value))
         if self.replicated:
-            sum_gradients([p for p in self.model.parameters() if p.requires_grad], self.group,
-                          None if self.reduce_dtype == torch.float32 else self.reduce_dtype)
+            sum_gradients([p for p in self.model.parameters() if p.requires_grad], self.group, self.reduce_dtype)
         grad_norm = self._clip_and_step()
         lr = self.lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -103,9 +102,11 @@ def run_sft(config) -> dict[str, float]:
         return run_rank(config)
     import torch.multiprocessing as mp
 
+    from hybridrl.engine.distributed import free_port
+
     with tempfile.TemporaryDirectory(prefix="hybridrl_sft_") as tmp:
         result = Path(tmp) / "metrics.json"
-        mp.start_processes(_rank_main, args=(config, world, _free_port(), str(result)), nprocs=world,
+        mp.start_processes(_rank_main, args=(config, world, free_port(), str(result)), nprocs=world,
                            join=True, start_method="spawn")
         return json.loads(result.read_text())
 
@@ -127,12 +128,6 @@ def _rank_main(rank: int, config, world: int, port: int, result_path: str) -> No
             Path(result_path).write_text(json.dumps(metrics))
     finally:
         destroy_distributed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import VOCAB, build_model, make_batch, make_group_batch, params_of, pg_loss_fn  # noqa: E402
+from helpers import VOCAB, build_model, make_batch, make_group_batch, params_of, pg_loss_fn, rank_main  # noqa: E402
 
-from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
+from hybridrl.engine import TrainEngine  # noqa: E402
 from hybridrl.engine import checkpoint as ckpt  # noqa: E402
 from hybridrl.engine.packing import real_lengths  # noqa: E402
 from hybridrl.engine.seqlen_balancing import partition_micro_batches  # noqa: E402
@@ -97,11 +97,6 @@ def run(out: Path, rank: int, world: int) -> dict:
     }
 
 
-def main(out: Path) -> None:
-    rank, world = init_distributed(timeout_s=120)
-    torch.save(run(out, rank, world), out / f"rank{rank}.pt")
-    destroy_distributed()  # the engines are out of scope: collected before the group goes
-
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    rank_main(run)

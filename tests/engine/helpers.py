@@ -6,10 +6,8 @@ relative imports.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -159,29 +157,13 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_main(run: Callable[[Path, int, int], dict]) -> None:
+    """Entry of a rank script started by ``tests/ranks.py`` (output folder in ``argv[1]``): join the
+    group, save ``run(out, rank, world)`` to ``out/rank<r>.pt``, then tear the group down, once the
+    engines ``run`` made are out of scope (``destroy_distributed`` collects them first)."""
+    from hybridrl.engine import destroy_distributed, init_distributed
 
-
-def run_ranks(script: Path, out: Path, world: int = 2, **env_extra: str) -> list[dict]:
-    """Run ``script out`` as ranks 0 .. world - 1 of a gloo group; returns what each
-    saved to ``rank<r>.pt``. A rank that fails or runs past 240 s fails the caller with the end of its log."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env_extra)
-    procs = []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(script), str(out)], env=dict(env, RANK=str(rank)),
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    out = Path(sys.argv[1])
+    rank, world = init_distributed(timeout_s=120)
+    torch.save(run(out, rank, world), out / f"rank{rank}.pt")
+    destroy_distributed()

@@ -8,9 +8,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import build_model, make_batch, params_of, pg_loss_fn  # noqa: E402
+from helpers import build_model, make_batch, params_of, pg_loss_fn, rank_main  # noqa: E402
 
-from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
+from hybridrl.engine import TrainEngine  # noqa: E402
 
 
 def run(out: Path, rank: int, world: int) -> dict:
@@ -38,11 +38,6 @@ def run(out: Path, rank: int, world: int) -> dict:
             "resumed_equal": resumed_equal, "m2_sharded": m2_sharded}
 
 
-def main(out: Path) -> None:
-    rank, world = init_distributed(timeout_s=120)
-    torch.save(run(out, rank, world), out / f"rank{rank}.pt")
-    destroy_distributed()
-
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    rank_main(run)

@@ -16,9 +16,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 from dist_worker import BUDGET, split_by_length  # noqa: E402
-from helpers import build_model, make_batch, params_of, pg_loss_fn  # noqa: E402
+from helpers import build_model, make_batch, params_of, pg_loss_fn, rank_main  # noqa: E402
 
-from hybridrl.engine import TrainEngine, destroy_distributed, init_distributed  # noqa: E402
+from hybridrl.engine import TrainEngine  # noqa: E402
 from hybridrl.engine.replicate import sum_gradients  # noqa: E402
 
 
@@ -71,11 +71,6 @@ def run(out: Path, rank: int, world: int) -> dict:
             "partial": partial_gradients(rank), "world": dist.get_world_size()}
 
 
-def main(out: Path) -> None:
-    rank, world = init_distributed(timeout_s=120)
-    torch.save(run(out, rank, world), out / f"rank{rank}.pt")
-    destroy_distributed()  # the engines are out of scope: collected before the group goes
-
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    rank_main(run)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 from transformers import AutoModelForCausalLM
 
 from hybridrl.engine import TrainEngine
@@ -15,7 +16,6 @@ from .helpers import (
     make_group_batch,
     params_of,
     pg_loss_fn,
-    run_ranks,
     shared_computed,
 )
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from hybridrl.engine import TrainEngine
 
-from .helpers import build_model, make_batch, params_of, pg_loss_fn, run_ranks
+from .helpers import build_model, make_batch, params_of, pg_loss_fn
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("replica_worker.py")

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from merge_helpers import STEP_DIR, probe, train_and_save
+from ranks import launch_ranks
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -21,12 +18,6 @@ from hybridrl.models import load_critic
 from hybridrl.models.critic import VALUE_HEAD_FILE, VALUE_HEAD_MARKER
 
 WORKER = Path(__file__).with_name("merge_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +31,7 @@ def ws1(tiny_model_dir, tmp_path_factory):
 def ws2(tiny_model_dir, tmp_path_factory):
     """merge_worker.py as ranks 0 and 1 of a gloo group (FSDP2 shards: each rank saves half)."""
     out = tmp_path_factory.mktemp("merge_ws2")
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    procs = []
-    for rank in range(2):
-        log = open(out / f"rank{rank}.log", "w")
-        cmd = [sys.executable, str(WORKER), str(tiny_model_dir), str(out)]
-        procs.append((subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
+    launch_ranks([WORKER, tiny_model_dir, out], out)
     return out
 
 
