@@ -54,11 +54,17 @@ def test_switched_off(monkeypatch):
 
 
 def test_release_leaves_objects_it_did_not_freeze():
+    # followed through one object: the frozen count itself falls whenever another thread of this
+    # process (Ray's, a scoring pool's) frees a frozen object, which made a count comparison flaky
+    node = Node()
+    alive = weakref.ref(node)
     gc_freeze.release()  # nothing of ours frozen
-    gc.freeze()  # someone else's
-    frozen = gc.get_freeze_count()
+    gc.freeze()  # someone else's, the node among them
     gc_freeze.release()
-    assert frozen > 0 and gc.get_freeze_count() == frozen
+    del node
+    gc.collect()
+    assert gc.get_freeze_count() > 0
+    assert alive() is not None  # still frozen: release did not unfreeze what it had not frozen
 
 
 def test_trainer_freezes_after_its_warmup_steps_and_releases(tmp_path, monkeypatch):
