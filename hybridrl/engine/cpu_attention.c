@@ -15,11 +15,17 @@
  *
  * Shapes (float32; strides in elements, the last dimension always contiguous):
  *   q            (B, H, T, D)     strides qsb, qsh, qst
- *   k, v         (B, KVH, S, D)   strides ksb, ksh, kst (k and v alike)
+ *   k, v         (B, KVH, S - P, D) strides ksb, ksh, kst and vsb, vsh, vst: each row's own keys
+ *   kp, vp       (U, KVH, P, D)   strides kpsb, kpsh, kpst and vpsb, vpsh, vpst: keys shared by rows, row b reading
+ *                                 kp[pidx[b]] as its keys 0 .. P - 1 and its own as P .. S - 1 (a
+ *                                 group's prompt, hybridrl/engine/shared_prefix.py); P = 0: none
  *   mask         (B, T, S) bytes  strides msb (0: shared by all rows), mst; nonzero = may attend
  *   out, dout    (B, T, H, D)     contiguous (the layout the output projection reads)
  *   lse          (B, H, T)        contiguous: log sum_j exp(scale q.k_j) over allowed keys
- *   dq           (B, H, T, D)     contiguous; dk, dv (B, KVH, S, D) contiguous
+ *   dq           (B, H, T, D)     strides dqsb, dqsh, dqst; dk, dv (B, KVH, S - P, D) strides
+ *                                 dksb, dksh, dkst (both alike); dkp, dvp (U, KVH, P, D) strides
+ *                                 dkpsb, dkpsh, dkpst (both alike): the shared keys' gradients, to
+ *                                 which every row's is added, in row order (whatever the threads)
  * Query head h reads key/value head h / (H / KVH). A query that may attend to no key gets a zero
  * output and zero gradients. D must be a multiple of 16 and at most 256.
  */
@@ -42,14 +48,19 @@ int hr_attention_supported(void) { return 1; }
 
 typedef struct {
     const float *q, *k, *v;
-    int64_t qsb, qsh, qst, ksb, ksh, kst;
+    int64_t qsb, qsh, qst, ksb, ksh, kst, vsb, vsh, vst;
+    const float *kp, *vp;            /* shared keys (P of them) */
+    int64_t kpsb, kpsh, kpst, vpsb, vpsh, vpst, P;
+    const int64_t *pidx;
     const uint8_t *mask;
     int64_t msb, mst;
     int64_t B, H, KVH, T, S, D;
     float scale;
     float *out, *lse;                /* forward: written; backward: read */
     const float *dout;               /* backward only */
-    float *dq, *dk, *dv;             /* backward only */
+    float *dq, *dk, *dv, *dkp, *dvp; /* backward only */
+    int64_t dqsb, dqsh, dqst, dksb, dksh, dkst, dkpsb, dkpsh, dkpst;
+    float *row_shared;               /* backward with P: (B, KVH, 2, P, D) each row's shared-key gradients */
     int32_t *range;                  /* (B' or 1, T, 2): first and one-past-last allowed key of a mask row */
     float *delta;                    /* backward: (B, T, H) sum_c dout * out of each query */
 } hr_att;
@@ -106,10 +117,11 @@ static void row_dots(const float *const *rows, const float *kt, int64_t Sp, int6
     }
 }
 
-/* out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for D columns, x rows xs apart; out rows `os` apart;
- * w rows Sp apart. Columns in pairs of 16-float vectors (16 accumulators), a single one at the end. */
+/* out[r][:] = f[r] sum_{j in [j0, j1)} w[r][j] * x[j][:] for D columns, x rows xs apart, w rows Sp
+ * apart, f[r] = 1 without f. Columns in pairs of 16-float vectors (16 accumulators), a single one at
+ * the end. */
 static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs, int64_t D, int64_t j0, int64_t j1,
-                          float *const *out) {
+                          const float *f, float *const *out) {
     int64_t c = 0;
     for (; c + 32 <= D; c += 32) {
         __m512 a[RB][2];
@@ -124,8 +136,9 @@ static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs
             }
         }
         for (int r = 0; r < RB; r++) {
-            _mm512_storeu_ps(out[r] + c, a[r][0]);
-            _mm512_storeu_ps(out[r] + c + 16, a[r][1]);
+            __m512 fr = _mm512_set1_ps(f ? f[r] : 1.f);
+            _mm512_storeu_ps(out[r] + c, _mm512_mul_ps(a[r][0], fr));
+            _mm512_storeu_ps(out[r] + c + 16, _mm512_mul_ps(a[r][1], fr));
         }
     }
     for (; c < D; c += 16) {
@@ -135,7 +148,7 @@ static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs
             __m512 x0 = _mm512_loadu_ps(x + j * xs + c);
             for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * Sp + j]), x0, a[r]);
         }
-        for (int r = 0; r < RB; r++) _mm512_storeu_ps(out[r] + c, a[r]);
+        for (int r = 0; r < RB; r++) _mm512_storeu_ps(out[r] + c, _mm512_mul_ps(a[r], _mm512_set1_ps(f ? f[r] : 1.f)));
     }
 }
 
@@ -252,14 +265,17 @@ static inline __m512 exp512(__m512 x) {
 
 /* p[r][j] = exp(scale s[r][j] - lse) over allowed keys in [j0, j1), 0 elsewhere in that range and in
  * rows past `rows`. With lse NULL the row's own log-sum-exp is computed and written to lse_out[r]
- * (0 for a row with no allowed key) and p is normalised. j0 and j1 are multiples of 16. */
+ * (0 for a row with no allowed key), p is left unnormalised, exp(scale s - max), and the factor that
+ * normalises it written to inv[r] (0 for a row with no allowed key and past `rows`): the forward
+ * scales its D outputs of a row instead of the row's keys. j0 and j1 are multiples of 16. */
 static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, float *p, int64_t Sp, int64_t j0,
-                         int64_t j1, const float *lse_in, float *lse_out) {
+                         int64_t j1, const float *lse_in, float *lse_out, float *inv) {
     const __m512 scale = _mm512_set1_ps(a->scale), neg = _mm512_set1_ps(NEG);
     for (int64_t r = 0; r < RB; r++) {
         float *pr = p + r * Sp;
         if (r >= rows) {
             memset(pr + j0, 0, (j1 - j0) * sizeof(float));
+            if (inv) inv[r] = 0.f;
             continue;
         }
         const uint8_t *m = a->mask + b * a->msb + (t0 + r) * a->mst;
@@ -281,7 +297,7 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
         float mx = _mm512_reduce_max_ps(top);
         if (mx == NEG) { /* no allowed key */
             memset(pr + j0, 0, (j1 - j0) * sizeof(float));
-            lse_out[r] = 0.f;
+            lse_out[r] = 0.f, inv[r] = 0.f;
             continue;
         }
         __m512 vmx = _mm512_set1_ps(mx), total = _mm512_setzero_ps();
@@ -292,26 +308,27 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
             _mm512_storeu_ps(pr + j, e);
         }
         float sum = _mm512_reduce_add_ps(total);
-        __m512 inv = _mm512_set1_ps(1.f / sum);
-        for (int64_t j = j0; j < j1; j += 16) _mm512_storeu_ps(pr + j, _mm512_mul_ps(_mm512_loadu_ps(pr + j), inv));
+        inv[r] = 1.f / sum;
         lse_out[r] = mx + logf(sum);
     }
 }
 
 typedef struct {
-    float *kt, *vt, *p, *dp, *dk, *dv;
+    float *kt, *vt, *p, *dp, *dk, *dv, *kc, *vc;
 } hr_scratch;
 
 static hr_scratch *scratch_new(int64_t Sp, int64_t S, int64_t D, int backward) {
     hr_scratch *s = aligned_alloc(64, round_up(sizeof(hr_scratch), 64));
     if (!s) return NULL;
-    int64_t floats = D * Sp + RB * Sp + (backward ? D * Sp + RB * Sp + 2 * S * D : 0);
+    int64_t floats = 2 * S * D + D * Sp + RB * Sp + (backward ? D * Sp + RB * Sp + 2 * S * D : 0);
     float *buf = aligned_alloc(64, round_up(floats * sizeof(float), 64));
     if (!buf) {
         free(s);
         return NULL;
     }
-    s->kt = buf;
+    s->kc = buf;
+    s->vc = s->kc + S * D;
+    s->kt = s->vc + S * D;
     s->p = s->kt + D * Sp;
     s->vt = backward ? s->p + RB * Sp : NULL;
     s->dp = backward ? s->vt + D * Sp : NULL;
@@ -321,33 +338,65 @@ static hr_scratch *scratch_new(int64_t Sp, int64_t S, int64_t D, int backward) {
 }
 
 static void scratch_free(hr_scratch *s) {
-    if (s) free(s->kt), free(s);
+    if (s) free(s->kc), free(s);
+}
+
+/* rows [0, n) of x (row stride xs) to dst (row stride ds), D floats each */
+static void copy_rows(const float *x, int64_t xs, int64_t n, int64_t D, float *dst, int64_t ds) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(dst + j * ds + c, _mm512_loadu_ps(x + j * xs + c));
+}
+
+/* The keys and values of one (row, kv head), S rows of D floats each, contiguous in kc and vc: the
+ * shared ones (kp, vp of the row's group) first, then the row's own. One pass over each in memory;
+ * the blocks then read them from the cache, rows D floats apart rather than KVH D. */
+static void gather_kv(const hr_att *a, int64_t b, int64_t kh, float *kc, float *vc) {
+    int64_t D = a->D, P = a->P;
+    if (P) {
+        int64_t u = a->pidx[b];
+        copy_rows(a->kp + u * a->kpsb + kh * a->kpsh, a->kpst, P, D, kc, D);
+        copy_rows(a->vp + u * a->vpsb + kh * a->vpsh, a->vpst, P, D, vc, D);
+    }
+    copy_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - P, D, kc + P * D, D);
+    copy_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - P, D, vc + P * D, D);
+}
+
+/* Requests the query rows of the block after (t0, h): the next 8 positions of this head, else the
+ * first of the next head of the same kv head (a block's rows are qst apart, which the hardware
+ * prefetcher did not follow: 3.3 -> 2.8 ms of a forward at the tiny model's shapes). */
+static void prefetch_next_block(const float *x, int64_t sb, int64_t sh, int64_t st, int64_t b, int64_t h,
+                                int64_t t0, int64_t T, int64_t h_end, int64_t D) {
+    int64_t nt = t0 + RB < T ? t0 + RB : 0, nh = t0 + RB < T ? h : h + 1;
+    if (nh >= h_end) return;
+    for (int64_t r = 0; r < RB && nt + r < T; r++)
+        for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(x + b * sb + nh * sh + (nt + r) * st + c), _MM_HINT_T0);
 }
 
 /* One (row, kv head): its query heads' outputs and log-sum-exps. */
 static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
     int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S;
-    const float *kb = a->k + b * a->ksb + kh * a->ksh, *vb = a->v + b * a->ksb + kh * a->ksh;
-    transpose_keys(kb, a->kst, S, Sp, D, sc->kt);
+    gather_kv(a, b, kh, sc->kc, sc->vc);
+    transpose_keys(sc->kc, D, S, Sp, D, sc->kt);
     for (int64_t g = 0; g < G; g++) {
         int64_t h = kh * G + g;
         for (int64_t t0 = 0; t0 < T; t0 += RB) {
             int64_t rows = T - t0 < RB ? T - t0 : RB, j0, j1;
             const float *qr[RB];
             float *orow[RB], discard[RB][256] __attribute__((aligned(64)));
+            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D);
             for (int r = 0; r < RB; r++) {
                 int64_t t = r < rows ? t0 + r : t0 + rows - 1;
                 qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
                 orow[r] = r < rows ? a->out + ((b * T + t) * H + h) * D : discard[r];
             }
-            float *lrow = a->lse + (b * H + h) * T + t0, lse_block[RB];
+            float *lrow = a->lse + (b * H + h) * T + t0, lse_block[RB], inv[RB];
             if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
                 for (int64_t r = 0; r < rows; r++) memset(orow[r], 0, D * sizeof(float)), lrow[r] = 0.f;
                 continue;
             }
             row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
-            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lse_block);
-            weighted_rows(sc->p, Sp, vb, a->kst, D, j0, j1 < S ? j1 : S, orow);
+            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lse_block, inv);
+            weighted_rows(sc->p, Sp, sc->vc, D, D, j0, j1 < S ? j1 : S, inv, orow);
             for (int64_t r = 0; r < rows; r++) lrow[r] = lse_block[r];
         }
     }
@@ -355,10 +404,10 @@ static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh)
 
 /* One (row, kv head): dq of its query heads, dk and dv of the kv head (summed over those heads). */
 static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
-    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S;
-    const float *kb = a->k + b * a->ksb + kh * a->ksh, *vb = a->v + b * a->ksb + kh * a->ksh;
-    transpose_keys(kb, a->kst, S, Sp, D, sc->kt);
-    transpose_keys(vb, a->kst, S, Sp, D, sc->vt);
+    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S, P = a->P;
+    gather_kv(a, b, kh, sc->kc, sc->vc);
+    transpose_keys(sc->kc, D, S, Sp, D, sc->kt);
+    transpose_keys(sc->vc, D, S, Sp, D, sc->vt);
     memset(sc->dk, 0, S * D * sizeof(float));
     memset(sc->dv, 0, S * D * sizeof(float));
     for (int64_t g = 0; g < G; g++) {
@@ -367,11 +416,13 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
             int64_t rows = T - t0 < RB ? T - t0 : RB, j0, j1;
             const float *qr[RB], *dor[RB];
             float *dqr[RB], discard[RB][256] __attribute__((aligned(64))), delta[RB];
+            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D);
+            prefetch_next_block(a->dout, T * H * D, D, H * D, b, h, t0, T, kh * G + G, D);
             for (int r = 0; r < RB; r++) {
                 int64_t t = r < rows ? t0 + r : t0 + rows - 1;
                 qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
                 dor[r] = a->dout + ((b * T + t) * H + h) * D;
-                dqr[r] = r < rows ? a->dq + ((b * H + h) * T + t) * D : discard[r];
+                dqr[r] = r < rows ? a->dq + b * a->dqsb + h * a->dqsh + t * a->dqst : discard[r];
                 delta[r] = a->delta[(b * T + t) * H + h];
             }
             if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
@@ -380,7 +431,7 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
             }
             int64_t jend = j1 < S ? j1 : S;
             row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
-            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, a->lse + (b * H + h) * T + t0, NULL);
+            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, a->lse + (b * H + h) * T + t0, NULL, NULL);
             row_dots(dor, sc->vt, Sp, D, j0, j1, sc->dp); /* dP = dO V^T */
             for (int r = 0; r < RB; r++) {                /* dS = P (dP - delta) scale */
                 float *pr = sc->p + r * Sp, *dr = sc->dp + r * Sp;
@@ -389,11 +440,16 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
             }
             add_outer(sc->p, Sp, dor, D, j0, jend, sc->dv);       /* dV += P^T dO */
             add_outer(sc->dp, Sp, qr, D, j0, jend, sc->dk);       /* dK += dS^T Q */
-            weighted_rows(sc->dp, Sp, kb, a->kst, D, j0, jend, dqr); /* dQ = dS K */
+            weighted_rows(sc->dp, Sp, sc->kc, D, D, j0, jend, NULL, dqr); /* dQ = dS K */
         }
     }
-    memcpy(a->dk + (b * a->KVH + kh) * S * D, sc->dk, S * D * sizeof(float));
-    memcpy(a->dv + (b * a->KVH + kh) * S * D, sc->dv, S * D * sizeof(float));
+    if (P) {
+        float *rs = a->row_shared + (b * a->KVH + kh) * 2 * P * D;
+        memcpy(rs, sc->dk, P * D * sizeof(float));
+        memcpy(rs + P * D, sc->dv, P * D * sizeof(float));
+    }
+    copy_rows(sc->dk + P * D, D, S - P, D, a->dk + b * a->dksb + kh * a->dksh, a->dkst);
+    copy_rows(sc->dv + P * D, D, S - P, D, a->dv + b * a->dksb + kh * a->dksh, a->dkst);
 }
 
 /* delta[i] = dout[i] . out[i] for every query (B T H rows of D), in one pass over both in memory
@@ -409,14 +465,36 @@ static void row_deltas(hr_att *a, int nthreads) {
     }
 }
 
+/* Adds every row's gradients of its shared keys and values to its group's, row after row: each
+ * (kv head, key) is one thread's, so the sums run in the same order on any number of threads. */
+static void add_shared_grads(const hr_att *a, int nthreads) {
+    int64_t P = a->P, D = a->D;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < a->KVH * P; i++) {
+        int64_t kh = i / P, j = i % P;
+        for (int64_t b = 0; b < a->B; b++) {
+            int64_t u = a->pidx[b];
+            const float *rs = a->row_shared + ((b * a->KVH + kh) * 2 * P + j) * D;
+            float *dk = a->dkp + u * a->dkpsb + kh * a->dkpsh + j * a->dkpst;
+            float *dv = a->dvp + u * a->dkpsb + kh * a->dkpsh + j * a->dkpst;
+            for (int64_t c = 0; c < D; c += 16) {
+                _mm512_storeu_ps(dk + c, _mm512_add_ps(_mm512_loadu_ps(dk + c), _mm512_loadu_ps(rs + c)));
+                _mm512_storeu_ps(dv + c, _mm512_add_ps(_mm512_loadu_ps(dv + c), _mm512_loadu_ps(rs + P * D + c)));
+            }
+        }
+    }
+}
+
 /* The mask rows' key ranges (and the backward's deltas), then the (row, kv head) items over the
- * threads, each thread with its own scratch; 0, or -1 when memory could not be allocated. */
+ * threads, each thread with its own scratch, then (backward, shared keys) the rows' shared-key
+ * gradients added to their groups'; 0, or -1 when memory could not be allocated. */
 static int run(hr_att *a, int backward, int nthreads) {
     int64_t mask_rows = (a->msb ? a->B : 1) * a->T;
     a->range = malloc(mask_rows * 2 * sizeof(int32_t));
     a->delta = backward ? malloc(a->B * a->T * a->H * sizeof(float)) : NULL;
-    if (!a->range || (backward && !a->delta)) {
-        free(a->range), free(a->delta);
+    a->row_shared = backward && a->P ? malloc(a->B * a->KVH * 2 * a->P * a->D * sizeof(float)) : NULL;
+    if (!a->range || (backward && !a->delta) || (backward && a->P && !a->row_shared)) {
+        free(a->range), free(a->delta), free(a->row_shared);
         return -1;
     }
     scan_mask(a, nthreads);
@@ -439,26 +517,50 @@ static int run(hr_att *a, int backward, int nthreads) {
         }
         scratch_free(sc);
     }
-    free(a->range), free(a->delta);
+    if (backward && a->P && !failed) add_shared_grads(a, nthreads);
+    free(a->range), free(a->delta), free(a->row_shared);
     return failed ? -1 : 0;
 }
 
-int hr_attention_forward(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
-                         int64_t ksb, int64_t ksh, int64_t kst, const uint8_t *mask, int64_t msb, int64_t mst,
-                         float *out, float *lse, int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
-                         float scale, int nthreads) {
-    hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
-                out, lse, NULL, NULL, NULL, NULL, NULL, NULL};
+/* The operands common to both directions: strides in the order (row, head, position); the shared
+ * keys kp, vp (P of them, row b reading group pidx[b]'s) are unread when P = 0. */
+#define HR_OPERANDS                                                                                       \
+    const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, int64_t ksb, int64_t ksh,      \
+        int64_t kst, const float *v, int64_t vsb, int64_t vsh, int64_t vst, const float *kp, int64_t kpsb, \
+        int64_t kpsh, int64_t kpst, const float *vp, int64_t vpsb, int64_t vpsh, int64_t vpst,            \
+        const int64_t *pidx, int64_t P, const uint8_t *mask, int64_t msb, int64_t mst
+#define HR_SHAPE int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D, float scale, int nthreads
+
+static hr_att operands(HR_OPERANDS, int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D, float scale) {
+    hr_att a;
+    memset(&a, 0, sizeof(a));
+    a.q = q, a.qsb = qsb, a.qsh = qsh, a.qst = qst;
+    a.k = k, a.ksb = ksb, a.ksh = ksh, a.kst = kst, a.v = v, a.vsb = vsb, a.vsh = vsh, a.vst = vst;
+    a.kp = kp, a.kpsb = kpsb, a.kpsh = kpsh, a.kpst = kpst, a.vp = vp, a.vpsb = vpsb, a.vpsh = vpsh, a.vpst = vpst;
+    a.pidx = pidx, a.P = P, a.mask = mask, a.msb = msb, a.mst = mst;
+    a.B = B, a.H = H, a.KVH = KVH, a.T = T, a.S = S, a.D = D, a.scale = scale;
+    return a;
+}
+
+#define HR_ARGS q, qsb, qsh, qst, k, ksb, ksh, kst, v, vsb, vsh, vst, kp, kpsb, kpsh, kpst, vp, vpsb, vpsh, vpst, \
+                pidx, P, mask, msb, mst, B, H, KVH, T, S, D, scale
+
+int hr_attention_forward(HR_OPERANDS, float *out, float *lse, HR_SHAPE) {
+    hr_att a = operands(HR_ARGS);
+    a.out = out, a.lse = lse;
     return run(&a, 0, nthreads);
 }
 
-int hr_attention_backward(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
-                          int64_t ksb, int64_t ksh, int64_t kst, const uint8_t *mask, int64_t msb, int64_t mst,
-                          const float *out, const float *dout, const float *lse, float *dq, float *dk, float *dv,
-                          int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D, float scale,
-                          int nthreads) {
-    hr_att a = {q, k, v, qsb, qsh, qst, ksb, ksh, kst, mask, msb, mst, B, H, KVH, T, S, D, scale,
-                (float *)out, (float *)lse, dout, dq, dk, dv, NULL, NULL};
+/* dq strides (row, head, position); dk and dv alike, (dksb, dksh, dkst); dkp and dvp alike */
+int hr_attention_backward(HR_OPERANDS, const float *out, const float *dout, const float *lse, float *dq,
+                          int64_t dqsb, int64_t dqsh, int64_t dqst, float *dk, float *dv, int64_t dksb, int64_t dksh,
+                          int64_t dkst, float *dkp, float *dvp, int64_t dkpsb, int64_t dkpsh, int64_t dkpst,
+                          HR_SHAPE) {
+    hr_att a = operands(HR_ARGS);
+    a.out = (float *)out, a.lse = (float *)lse, a.dout = dout;
+    a.dq = dq, a.dqsb = dqsb, a.dqsh = dqsh, a.dqst = dqst;
+    a.dk = dk, a.dv = dv, a.dksb = dksb, a.dksh = dksh, a.dkst = dkst, a.dkp = dkp, a.dvp = dvp;
+    a.dkpsb = dkpsb, a.dkpsh = dkpsh, a.dkpst = dkpst;
     return run(&a, 1, nthreads);
 }
 

@@ -14,7 +14,9 @@ rounding (sums in another order; tested against ``scaled_dot_product_attention``
 gradients).
 
 The training engine switches a model from ``sdpa`` to them with ``use_for`` (on CPU at fp32), and
-the shared-prompt forward (``hybridrl.engine.shared_prefix``) calls ``hf_attention`` as well.
+the shared-prompt forward (``hybridrl.engine.shared_prefix``) calls ``shared_prompt_attention``:
+rows that read a group's prompt keys in place (the kernels take a second, shared key source per
+row) and add their gradients to the prompt's in row order.
 
 The same library holds the loss's token log-probs (``token_logprob`` and its backward), which
 ``TrainEngine`` uses for fp32 CPU logits: log_softmax(logits)[target] without making the whole
@@ -37,13 +39,16 @@ from hybridrl.utils import native_build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "token_logprob",
-           "token_logprob_backward", "token_usable", "transposed", "usable", "use_for"]
+__all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "shared_prompt_attention",
+           "shared_prompt_usable", "token_logprob", "token_logprob_backward", "token_usable", "transposed", "usable",
+           "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_HEAD_DIM = 256
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_COMMON = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+_TENSOR = [_PTR, _I64, _I64, _I64]  # pointer, strides of (rows, heads, positions)
+# q, k, v, shared k, shared v; each row's group and the shared length; the mask and its strides
+_OPERANDS = _TENSOR * 5 + [_PTR, _I64, _PTR, _I64, _I64]
 _SHAPE = [_I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT]
 
 
@@ -59,8 +64,9 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_attention_supported.argtypes, lib.hr_attention_supported.restype = [], _INT
     if not lib.hr_attention_supported():
         return None  # built without AVX-512
-    lib.hr_attention_forward.argtypes = _COMMON + [_PTR, _PTR] + _SHAPE
-    lib.hr_attention_backward.argtypes = _COMMON + [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR] + _SHAPE
+    lib.hr_attention_forward.argtypes = _OPERANDS + [_PTR, _PTR] + _SHAPE
+    lib.hr_attention_backward.argtypes = (_OPERANDS + [_PTR, _PTR, _PTR] + _TENSOR + [_PTR, _PTR, _I64, _I64, _I64]
+                                          + [_PTR, _PTR, _I64, _I64, _I64] + _SHAPE)
     lib.hr_attention_forward.restype = lib.hr_attention_backward.restype = _INT
     lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
@@ -112,9 +118,23 @@ def _mask_bytes(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor:
     return mask.view(torch.uint8)
 
 
-def _pointers(q, k, v, mask):
-    return [q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(), k.stride(0),
-            k.stride(1), k.stride(2), mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)]
+def _strided(t: torch.Tensor) -> list:
+    return [t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)]
+
+
+_NO_TENSOR = [None, 0, 0, 0]
+
+
+def _operands(q, k, v, shared, mask) -> list:
+    """The kernels' operand arguments; ``shared``: None, or (keys, values, group of each row) read
+    as every row's first keys."""
+    args = _strided(q) + _strided(k) + _strided(v)
+    if shared is None:
+        args += _NO_TENSOR + _NO_TENSOR + [None, 0]
+    else:
+        shared_k, shared_v, group = shared
+        args += _strided(shared_k) + _strided(shared_v) + [group.data_ptr(), shared_k.shape[2]]
+    return args + [mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)]
 
 
 def _check(rc: int) -> None:
@@ -122,18 +142,42 @@ def _check(rc: int) -> None:
         raise MemoryError("hybridrl CPU attention: could not allocate its scratch memory")
 
 
+def _shape(q, k, shared, scale) -> list:
+    b, h, t, d = q.shape
+    return [b, h, k.shape[1], t, k.shape[2] + (shared[0].shape[2] if shared is not None else 0), d, scale,
+            torch.get_num_threads()]
+
+
+def _run_forward(q, k, v, shared, mask, scale, out, lse) -> None:
+    """Writes ``out`` (B, T, H, D) and ``lse`` (B, H, T), both contiguous."""
+    _check(_library().hr_attention_forward(*_operands(q, k, v, shared, mask), out.data_ptr(), lse.data_ptr(),
+                                           *_shape(q, k, shared, scale)))
+
+
+def _run_backward(q, k, v, shared, mask, scale, out, grad_out, lse, dq, dk, dv, shared_grads=None) -> None:
+    """Writes dq (any strides), dk and dv (one layout for both) and, with ``shared``, adds each row's
+    gradient of its shared keys and values to its group's in ``shared_grads`` (two (U, KVH, P, D)
+    tensors of one layout), row after row."""
+    assert dk.stride() == dv.stride()
+    if shared_grads is None:
+        shared_args = [None, None, 0, 0, 0]
+    else:
+        dkp, dvp = shared_grads
+        assert dkp.stride() == dvp.stride()
+        shared_args = [dkp.data_ptr(), dvp.data_ptr(), dkp.stride(0), dkp.stride(1), dkp.stride(2)]
+    _check(_library().hr_attention_backward(
+        *_operands(q, k, v, shared, mask), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), *_strided(dq),
+        dk.data_ptr(), dv.data_ptr(), dk.stride(0), dk.stride(1), dk.stride(2), *shared_args,
+        *_shape(q, k, shared, scale)))
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, scale):
         q, k, v = _rows(query), _rows(key), _rows(value)
-        if k.stride() != v.stride():
-            k, v = k.contiguous(), v.contiguous()
         b, h, t, d = q.shape
-        kvh, s = k.shape[1], k.shape[2]
-        out = torch.empty(b, t, h, d)
-        lse = torch.empty(b, h, t)
-        _check(_library().hr_attention_forward(*_pointers(q, k, v, mask), out.data_ptr(), lse.data_ptr(), b, h, kvh,
-                                               t, s, d, scale, torch.get_num_threads()))
+        out, lse = torch.empty(b, t, h, d), torch.empty(b, h, t)
+        _run_forward(q, k, v, None, mask, scale, out, lse)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.scale = scale
         return out
@@ -141,14 +185,76 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        b, h, t, d = q.shape
-        kvh, s = k.shape[1], k.shape[2]
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.empty(b, h, t, d), torch.empty(b, kvh, s, d), torch.empty(b, kvh, s, d)
-        _check(_library().hr_attention_backward(*_pointers(q, k, v, mask), out.data_ptr(), grad_out.data_ptr(),
-                                                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h,
-                                                kvh, t, s, d, ctx.scale, torch.get_num_threads()))
+        dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+        _run_backward(q, k, v, None, mask, ctx.scale, out, grad_out.contiguous(), lse, dq, dk, dv)
         return dq, dk, dv, None, None
+
+
+class _SharedPrompts(torch.autograd.Function):
+    """``shared_prompt_attention``: two kernel calls (the prompts, then the rows reading their group's
+    prompt keys in place) writing one flat output, and in backward one flat gradient each for the
+    queries, keys and values."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, width, fed, prompt_mask, rows_mask, scale):
+        _, h, n, d = query.shape
+        cut = n - group.numel() * fed
+        prompts = cut // width
+        out = torch.empty(n, h, d)
+        lse_prompts, lse_rows = torch.empty(prompts, h, width), torch.empty(group.numel(), h, fed)
+        (qp, qr), (kp, kr), (vp, vr) = (_flat_parts(x, cut, width, fed) for x in (query, key, value))
+        _run_forward(qp, kp, vp, None, prompt_mask, scale, out[:cut], lse_prompts)
+        _run_forward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], lse_rows)
+        ctx.save_for_backward(query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows)
+        ctx.sizes = (cut, width, fed, scale)
+        return out[None]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows = ctx.saved_tensors
+        cut, width, fed, scale = ctx.sizes
+        grad_out = grad_out[0].contiguous()
+        _, h, n, d = query.shape
+        kvh = key.shape[1]
+        # the flat layout the projections' outputs have: (N, heads, D), viewed (1, heads, N, D)
+        dq = torch.empty(n, h, d).transpose(0, 1)[None]
+        dk, dv = (torch.empty(n, kvh, d).transpose(0, 1)[None] for _ in range(2))
+        (qp, qr), (kp, kr), (vp, vr) = (_flat_parts(x, cut, width, fed) for x in (query, key, value))
+        (dqp, dqr), (dkp, dkr), (dvp, dvr) = (_flat_parts(x, cut, width, fed) for x in (dq, dk, dv))
+        _run_backward(qp, kp, vp, None, prompt_mask, scale, out[:cut], grad_out[:cut], lse_prompts, dqp, dkp, dvp)
+        # each prompt's keys and values: their own gradient (above), plus all its rows'
+        _run_backward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], grad_out[cut:], lse_rows, dqr, dkr,
+                      dvr, (dkp, dvp))
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _flat_parts(x: torch.Tensor, cut: int, width: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, heads, N, D) of the flat sequence -> the prompts' (U, heads, width, D) and the rows' (b,
+    heads, fed, D), views."""
+    prompts, rows = x[0, :, :cut], x[0, :, cut:]
+    return prompts.unflatten(1, (-1, width)).transpose(0, 1), rows.unflatten(1, (-1, fed)).transpose(0, 1)
+
+
+def shared_prompt_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``shared_prompt_attention`` takes these flat operands: ``usable`` ones with batch 1."""
+    return query.shape[0] == 1 and usable(query, key, value, None)
+
+
+def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: torch.Tensor,
+                            width: int, fed: int, prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Attention over one flat sequence of U prompts of ``width`` positions followed by b rows of
+    ``fed`` positions (``hybridrl.engine.shared_prefix``), for operands ``shared_prompt_usable``
+    takes: query (1, H, N, D), key and value (1, KVH, N, D), N = U width + b fed. Prompt u attends
+    causally over itself through ``prompt_mask`` (U, 1, width, width) bool (None: causal); row i
+    attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
+    (b, 1, fed, width + fed) bool. Returns (1, N, H, D), contiguous; differentiable in query, key
+    and value, whose gradients come back in the flat (1, N, heads, D) layout of the projections'
+    outputs. The numbers of ``attention`` on the rows with their prompts' keys gathered in front."""
+    group = group.contiguous().long()
+    prompts_mask = _mask_bytes(prompt_mask, width, width)
+    return _SharedPrompts.apply(query, key, value, group, width, fed, prompts_mask,
+                                _mask_bytes(rows_mask, fed, width + fed), float(scale))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -160,15 +266,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return _Attention.apply(query, key, value, _mask_bytes(mask, query.shape[2], key.shape[2]), float(scale))
 
 
+def plain(dropout: float, kwargs: dict) -> bool:
+    """Whether a transformers attention call asks for nothing but softmax attention: no dropout, soft
+    cap, sliding window, position bias or attention weights returned."""
+    return (dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False))
+
+
 def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs):
     """A transformers attention function (``AttentionInterface``): these kernels where ``usable``,
     else transformers' ``sdpa_attention_forward`` with the same arguments."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = (dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-             and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False))
-    if not plain or not usable(query, key, value, attention_mask):
+    if not plain(dropout, kwargs) or not usable(query, key, value, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     t, s = query.shape[2], key.shape[2]

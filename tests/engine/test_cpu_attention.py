@@ -109,6 +109,73 @@ def test_threads_give_the_same_numbers():
         assert torch.equal(one, two)  # each (row, kv head) is one thread's work, in a fixed order
 
 
+def _flat(prompts, width, rows, fed, heads, d, gen):
+    """(1, heads, N, D) views of the flat (1, N, heads, D) layout the projections make, N = U width + b fed."""
+    return torch.randn(1, prompts * width + rows * fed, heads, d, generator=gen).transpose(1, 2).requires_grad_()
+
+
+@pytest.mark.parametrize(("h", "kvh", "d", "width", "fed", "padded"),
+                         [(4, 2, 32, 16, 63, True), (9, 3, 64, 5, 7, False), (2, 2, 16, 1, 20, False)])
+def test_shared_prompt_attention_equals_rows_with_their_prompts_gathered(h, kvh, d, width, fed, padded):
+    """One flat sequence of prompts then rows (hybridrl.engine.shared_prefix): the prompts attend
+    causally over themselves, each row over its prompt's keys (read in place) then its own. Values
+    and gradients equal ``attention`` on the prompts and on the rows with their prompts' keys and
+    values gathered in front of their own, as the shared-prompt forward computed them before."""
+    gen = torch.Generator().manual_seed(width + fed)
+    group = torch.tensor([0, 2, 1, 2, 0, 2, 1])  # rows per prompt in any order, a prompt of three rows
+    prompts, rows = 3, len(group)
+    q, k, v = (_flat(prompts, width, rows, fed, n, d, gen) for n in (h, kvh, kvh))
+    causal = torch.ones(max(width, fed), max(width, fed), dtype=torch.bool).tril()
+    real = torch.ones(prompts, width, dtype=torch.bool)
+    if padded:
+        real[1, :3] = False  # a left-padded prompt; its padding queries see themselves
+    prompt_mask = (causal[:width, :width] & (real[:, None, :] | torch.eye(width, dtype=torch.bool)))[:, None]
+    own = torch.ones(rows, 1, 1, fed, dtype=torch.bool) & causal[:fed, :fed]
+    own[3, 0, 0, fed - 2:] = False  # a row's padding at the end of its response
+    rows_mask = torch.cat([real[group][:, None, None, :].expand(-1, 1, fed, -1), own], dim=3)
+    out = cpu_attention.shared_prompt_attention(q, k, v, group, width, fed, prompt_mask if padded else None,
+                                                rows_mask, d**-0.5)
+    cut = prompts * width
+
+    def parts(x):
+        return x[:, :, :cut].unflatten(2, (prompts, width))[0].transpose(0, 1), \
+            x[:, :, cut:].unflatten(2, (rows, fed))[0].transpose(0, 1)
+
+    (qp, qr), (kp, kr), (vp, vr) = parts(q), parts(k), parts(v)
+    ref_prompts = cpu_attention.attention(qp, kp, vp, prompt_mask if padded else None, d**-0.5)
+    keys, values = (torch.cat([p.index_select(0, group), r], dim=2) for p, r in ((kp, kr), (vp, vr)))
+    ref_rows = cpu_attention.attention(qr, keys, values, rows_mask, d**-0.5)
+    ref = torch.cat([ref_prompts.flatten(0, 1), ref_rows.flatten(0, 1)])[None]
+    assert out.shape == (1, cut + rows * fed, h, d) and out.is_contiguous()
+    assert float((out - ref).detach().abs().max()) < 1e-6
+    upstream = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
+    for got, want in zip(grads, ref_grads):
+        assert got.transpose(1, 2).is_contiguous()  # the projections' layout: no copy on the way back
+        assert float((got - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
+    assert float(grads[1][:, :, :cut].abs().max()) > 0  # the prompts' keys get their rows' gradients
+
+
+def test_shared_prompt_attention_is_the_same_on_two_threads():
+    gen = torch.Generator().manual_seed(5)
+    group = torch.tensor([0, 0, 1, 1, 1])
+    q, k, v = (_flat(2, 6, 5, 11, n, 32, gen) for n in (4, 2, 2))
+    rows_mask = torch.cat([torch.ones(5, 1, 11, 6, dtype=torch.bool),
+                           torch.ones(11, 11, dtype=torch.bool).tril().expand(5, 1, 11, 11)], dim=3)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu_attention.shared_prompt_attention(q, k, v, group, 6, 11, None, rows_mask, 0.2)
+            results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
 def test_usable_and_hf_attention_hand_over_to_sdpa():
     q, k, v, _ = _operands(2, 4, 2, 5, 5, 64)
     assert cpu_attention.usable(q, k, v, None)
@@ -173,8 +240,9 @@ def test_train_engine_attends_through_the_kernels_with_sdpa_numbers(monkeypatch,
                                         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
                                         "responses": ids[:, 9:].clone()})
     calls = []
-    kernel = cpu_attention._Attention.apply
-    monkeypatch.setattr(cpu_attention._Attention, "apply", lambda *a: calls.append(1) or kernel(*a))
+    for function in (cpu_attention._Attention, cpu_attention._SharedPrompts):  # rows apart / shared prompts
+        kernel = function.apply
+        monkeypatch.setattr(function, "apply", lambda *a, kernel=kernel: calls.append(1) or kernel(*a))
     results = {}
     for kernels in (True, False):
         if not kernels:  # as on a machine without them: sdpa everywhere, shared prompts included
