@@ -121,6 +121,11 @@ class PPOTrainer:
         self.global_step = 0
         self.skipped_steps = 0  # steps whose update was skipped for NaN/Inf (trainer.nan_policy=skip)
         self.total_steps = self._total_steps()
+        self.steps_run = 0  # steps of this fit (after a resume: since it)
+        # the next step's prompts, their data epoch and their generation, sent behind this step's
+        # update (prepare_next_step)
+        self.next_generation: tuple[DataProto, int, Callable[[], DataProto]] | None = None
+        self.epoch = 0  # the loader's epoch after this step's prompts were drawn (training/epoch)
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -130,13 +135,12 @@ class PPOTrainer:
         if self.val_loader is not None and trainer.val_before_train and self.global_step == 0:
             self.tracking.log(self.validate(), step=0)
         last: dict[str, float] = {}
-        steps_run = 0
         try:
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 last = self.train_step()
-                steps_run += 1
-                if steps_run <= gc_freeze.WARMUP_STEPS:
+                self.steps_run += 1
+                if self.steps_run <= gc_freeze.WARMUP_STEPS:
                     # long-lived objects (compiled graphs, modules) out of the collector's full
                     # passes; between steps, outside their timing (hybridrl.utils.gc_freeze)
                     self.workers.freeze_gc()
@@ -149,6 +153,7 @@ class PPOTrainer:
                 if trainer.save_freq > 0 and (self.global_step % trainer.save_freq == 0 or is_last):
                     self.save_checkpoint()
         finally:
+            self.next_generation = None  # sent only where a next step follows; dropped if a step failed
             gc_freeze.release()  # this process's objects collectable again (a notebook's next run)
         return last
 
@@ -178,7 +183,7 @@ class PPOTrainer:
                 if finite and self.global_step > self.config.trainer.critic_warmup:
                     updates += [("update_actor", "update_actor", columns(batch, ACTOR_UPDATE_KEYS)),
                                 ("update_weights", "sync_weights")]
-                for result in self.run_calls(timer, updates, meanwhile=self.prefetch_prompts):
+                for result in self.run_calls(timer, updates, meanwhile=self.prepare_next_step):
                     metrics.update(result or {})  # sync_weights gives None
         self.count_skipped(finite, metrics)
         metrics.update(compute_data_metrics(batch, self.use_critic))
@@ -190,7 +195,7 @@ class PPOTrainer:
             # the driver's own work (advantages, metrics, and rewards scored in the driver)
             metrics["perf/time_in_workers"] = self.workers.busy_s - busy_before
         metrics["training/global_step"] = float(self.global_step)
-        metrics["training/epoch"] = float(self.train_loader.sampler.epoch)
+        metrics["training/epoch"] = float(self.epoch)
         return metrics
 
     def count_skipped(self, finite: bool, metrics: dict[str, float]) -> None:
@@ -217,7 +222,12 @@ class PPOTrainer:
         while True:
             num_gen += 1
             with timer("gen"):
-                batch = self.generate(next(self.train_iter))
+                if self.next_generation is not None:  # sent during the last step's update
+                    (prompts, self.epoch, wait), self.next_generation = self.next_generation, None
+                    batch = self.finish_generation(prompts, wait())
+                else:
+                    prompts, self.epoch = self.next_prompts()
+                    batch = self.generate(prompts)
             with timer("reward"):
                 batch = self.score(batch, self.reward_fn, metrics)
             if not fg.enable:
@@ -234,16 +244,31 @@ class PPOTrainer:
                     f"batches (algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}); "
                     "the data may be too easy or too hard: raise max_num_gen_batches or set it to 0")
 
-    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        """Rollout for one prompt batch: returns B = N*n rows, samples of a prompt adjacent."""
+    def next_prompts(self) -> tuple[DataProto, int]:
+        """The next training prompt batch and the loader's epoch right after it (the step's
+        ``training/epoch``, also when the batch is drawn during the step before)."""
+        prompts = next(self.train_iter)
+        sampler = getattr(self.train_loader, "sampler", None)  # any iterable of batches trains
+        return prompts, getattr(sampler, "epoch", 0)
+
+    def generation_input(self, prompts: DataProto, validate: bool, step: int) -> DataProto:
+        """What the rollout reads of a prompt batch (given its ``uid`` column here when it has none)."""
         if "uid" not in prompts.non_tensor_batch:
             prompts.non_tensor_batch["uid"] = to_object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
         # multi-turn rollouts read tools_kwargs / interaction_kwargs (extra_info) and the messages
         multi_turn = self.config.actor_rollout_ref.rollout.multi_turn.enable
         gen_keys = [k for k in ("extra_info", "raw_prompt") if multi_turn and k in prompts.non_tensor_batch]
         gen_in = prompts.select(batch_keys=GEN_KEYS, non_tensor_batch_keys=gen_keys)
-        gen_in.meta_info = {"validate": validate, "global_step": self.global_step}
-        out = self.workers.generate_sequences(gen_in)
+        gen_in.meta_info = {"validate": validate, "global_step": step}
+        return gen_in
+
+    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
+        """Rollout for one prompt batch: returns B = N*n rows, samples of a prompt adjacent."""
+        out = self.workers.generate_sequences(self.generation_input(prompts, validate, self.global_step))
+        return self.finish_generation(prompts, out)
+
+    def finish_generation(self, prompts: DataProto, out: DataProto) -> DataProto:
+        """The rollout's output ``out`` joined with the columns of its ``prompts`` it does not return."""
         repeat = len(out) // len(prompts)
         # a column the rollout returns (the agent loop's extra_info with num_turns) replaces the prompt's
         rest = prompts.select(batch_keys=[k for k in prompts.batch if k not in GEN_KEYS],
@@ -324,6 +349,34 @@ class PPOTrainer:
         if prefetch is not None and self.global_step < self.total_steps:
             prefetch()
 
+    def prepare_next_step(self) -> None:
+        """The driver's work while this step's update runs: the next prompt batch, and where the next
+        step follows at once, its generation sent behind the update and the weight sync."""
+        self.prefetch_prompts()
+        if self.sends_generation_early():
+            prompts, epoch = self.next_prompts()
+            gen_in = self.generation_input(prompts, False, self.global_step + 1)
+            self.next_generation = (prompts, epoch, self.workers.submit("generate_sequences", gen_in))
+
+    def sends_generation_early(self) -> bool:
+        """Whether the next step's generation goes out with this step's update (Ray): the ranks run it
+        right after the weight sync, so the driver's round trip for it (sending, the rollout's start)
+        overlaps the update instead of opening the next step. Only where nothing else runs between
+        the two steps, so that every rank runs the same calls in the same order as without it (the
+        same numbers, and checkpoints that resume exactly): not on the last step, a validation or
+        checkpoint step, the steps whose end freezes the workers' objects, nor with dynamic
+        sampling (its generation count depends on the scores)."""
+        trainer, step = self.config.trainer, self.global_step
+        if not getattr(self.workers, "asynchronous", False) or not hasattr(self.workers, "submit"):
+            return False
+        if step >= self.total_steps or self.steps_run + 1 <= gc_freeze.WARMUP_STEPS:
+            return False
+        if self.config.algorithm.filter_groups.enable:
+            return False
+        validates = self.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0
+        saves = trainer.save_freq > 0 and step % trainer.save_freq == 0
+        return not validates and not saves
+
     def update_with_log_probs(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> tuple[DataProto, bool]:
         """The old / reference log-prob calls, the actor update and the weight sync sent together
         (``joins_log_probs``: GRPO-style advantages, which read neither, so they come first). The
@@ -342,7 +395,7 @@ class PPOTrainer:
             update = columns(batch, ACTOR_UPDATE_KEYS)
             update.meta_info[UNCHECKED_LOG_PROBS] = True
             calls += [("update_actor", "update_actor", update), ("update_weights", "sync_weights")]
-        results = self.run_calls(timer, calls, meanwhile=self.prefetch_prompts,
+        results = self.run_calls(timer, calls, meanwhile=self.prepare_next_step,
                                  joins={"update_actor": tuple(forwards)})
         batch = self.merge_forwards(batch, forwards, results, metrics)
         finite = finite and numerics.check_batch(batch.batch, self.global_step, policy)

@@ -8,6 +8,7 @@ from e2e_helpers import EXPECTED_KEYS, all_finite, comparable, config, make_asse
 from safetensors.torch import load_file
 
 from hybridrl.trainer.main_ppo import run
+from hybridrl.trainer.ppo_trainer import PPOTrainer
 
 pytestmark = [pytest.mark.e2e]
 
@@ -94,3 +95,42 @@ def test_replicated_roles_match_sharded(assets, tmp_path, ppo_sharded):
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
+
+
+def test_next_generation_sent_with_the_update_changes_nothing(assets, tmp_path, ray_session, monkeypatch):
+    """On Ray the next step's generation goes out behind the update and the weight sync (one round
+    trip fewer for the driver to wait on), except on warm-up, checkpoint, validation and last
+    steps. The ranks run the same calls in the same order, so a run resumed from its step-3
+    checkpoint (which sends none early: its first two steps are its warm-up) repeats steps 4-6 of
+    the run that sent steps 5 and 6 early, epochs included (the step's own prompts' epoch, though
+    the next step's were drawn during it)."""
+    import pyarrow.parquet as pq
+
+    train8 = tmp_path / "train8.parquet"  # 2 steps an epoch: step 6's prompts, drawn in step 5, open one
+    pq.write_table(pq.read_table(assets["train"]).slice(0, 8), train8)
+    small = {**assets, "train": str(train8)}
+    extra = {"trainer.total_training_steps": 6, "trainer.save_freq": 3, "trainer.test_freq": -1,
+             "trainer.val_before_train": False}
+    decisions: list[tuple[int, bool]] = []
+    decide = PPOTrainer.sends_generation_early
+
+    def spy(self):
+        decisions.append((self.global_step, decide(self)))
+        return decisions[-1][1]
+
+    monkeypatch.setattr(PPOTrainer, "sends_generation_early", spy)
+    run(config(small, tmp_path / "straight", **extra))
+    assert decisions == [(1, False), (2, False), (3, False), (4, True), (5, True), (6, False)]
+    decisions.clear()
+    run(config(small, tmp_path / "resumed", **extra, **{
+        "trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(tmp_path / "straight" / "global_step_3")}))
+    assert decisions == [(4, False), (5, False), (6, False)]
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        a, b = comparable(straight[step]), comparable(resumed[step])
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step, key, a[key], b[key])
+    # the loader's epoch after drawing a step's batch (it names the next batch's): 2 after steps 4 and 5
+    assert [straight[step]["training/epoch"] for step in (4, 5, 6)] == [2.0, 2.0, 3.0]
