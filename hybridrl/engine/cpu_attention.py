@@ -216,9 +216,9 @@ class _SharedPrompts(torch.autograd.Function):
         grad_out = grad_out[0].contiguous()
         _, h, n, d = query.shape
         kvh = key.shape[1]
-        # the flat layout the projections' outputs have: (N, heads, D), viewed (1, heads, N, D)
-        dq = torch.empty(n, h, d).transpose(0, 1)[None]
-        dk, dv = (torch.empty(n, kvh, d).transpose(0, 1)[None] for _ in range(2))
+        # contiguous (1, heads, N, D): a compiled block's backward takes its gradients in that
+        # layout (AOTAutograd's tangents with dynamic shapes) and copied any other (2 ms a tiny step)
+        dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
         (qp, qr), (kp, kr), (vp, vr) = (_flat_parts(x, cut, width, fed) for x in (query, key, value))
         (dqp, dqr), (dkp, dkr), (dvp, dvr) = (_flat_parts(x, cut, width, fed) for x in (dq, dk, dv))
         _run_backward(qp, kp, vp, None, prompt_mask, scale, out[:cut], grad_out[:cut], lse_prompts, dqp, dkp, dvp)
@@ -249,8 +249,8 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     causally over itself through ``prompt_mask`` (U, 1, width, width) bool (None: causal); row i
     attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
     (b, 1, fed, width + fed) bool. Returns (1, N, H, D), contiguous; differentiable in query, key
-    and value, whose gradients come back in the flat (1, N, heads, D) layout of the projections'
-    outputs. The numbers of ``attention`` on the rows with their prompts' keys gathered in front."""
+    and value, whose gradients come back contiguous (1, heads, N, D), the layout a compiled
+    block's backward takes them in. The numbers of ``attention`` on the rows with their prompts' keys gathered in front."""
     group = group.contiguous().long()
     prompts_mask = _mask_bytes(prompt_mask, width, width)
     return _SharedPrompts.apply(query, key, value, group, width, fed, prompts_mask,
