@@ -157,7 +157,7 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", KL_TYPES)
     ppo_epochs: int = opt(1, "passes over each batch")
-    use_torch_compile: bool = opt(False, "torch.compile each transformer block for training and log-probs (the first step pays the compile; verl defaults to true)")
+    use_torch_compile: bool = opt(False, "torch.compile each transformer block (and the final norm) for training and log-probs (the first step pays the compile; verl defaults to true)")
     shuffle: bool = opt(False, "shuffle mini batches between PPO epochs")
     data_loader_seed: int = opt(42, "seed of the mini-batch shuffle")
     tis_imp_ratio_cap: float = opt(-1.0, "truncated importance sampling cap on pi_old/pi_rollout (-1: off; needs rollout.calculate_log_probs)")
@@ -174,7 +174,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = opt(None, "sequences per log-prob forward on one device")
     log_prob_use_dynamic_bsz: bool = opt(ref("actor_rollout_ref.actor.use_dynamic_bsz"), "token-budget micro batches for ref log-probs")
     log_prob_max_token_len_per_gpu: int = opt(ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), "token budget per device for ref log-probs")
-    use_torch_compile: bool = opt(ref("actor_rollout_ref.actor.use_torch_compile"), "torch.compile each transformer block of the reference model")
+    use_torch_compile: bool = opt(ref("actor_rollout_ref.actor.use_torch_compile"), "torch.compile each transformer block (and the final norm) of the reference model")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP sharding and offload of the reference model")
 
 

@@ -15,6 +15,10 @@ blocks; inductor's on-disk cache makes later processes faster).
 
 Only ``forward`` is replaced, so module hooks (FSDP2's parameter gathers, activation
 checkpointing) stay eager around the compiled body.
+
+The norms outside the blocks (the final RMSNorm before the LM head) are compiled the same way: in
+eager mode its forward and backward were about ten passes over the last hidden states (the tiny
+model's update: 3-4 ms of a 0.26 s step, e.g. 0.95 ms in one ``mean``).
 """
 
 from __future__ import annotations
@@ -51,9 +55,16 @@ def compile_blocks(model: nn.Module, device: torch.device) -> int:
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise RuntimeError("torch compile on CUDA builds Triton kernels, but triton is not installed; "
                            "install it or set use_torch_compile=false")
-    for block in blocks:
-        block.forward = _without_duck_shapes(torch.compile(block.forward, dynamic=True))
+    for module in blocks + _norms_outside(model, blocks):
+        module.forward = _without_duck_shapes(torch.compile(module.forward, dynamic=True))
     return len(blocks)
+
+
+def _norms_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The normalisation modules (class name ending in ``Norm``: RMSNorm, LayerNorm ...) that no
+    block contains, e.g. the final norm before the LM head."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [m for m in model.modules() if id(m) not in inside and type(m).__name__.endswith("Norm")]
 
 
 def _without_duck_shapes(compiled):

@@ -214,8 +214,6 @@ class _SharedPrompts(torch.autograd.Function):
         query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows = ctx.saved_tensors
         cut, width, fed, scale = ctx.sizes
         grad_out = grad_out[0].contiguous()
-        _, h, n, d = query.shape
-        kvh = key.shape[1]
         # contiguous (1, heads, N, D): a compiled block's backward takes its gradients in that
         # layout (AOTAutograd's tangents with dynamic shapes) and copied any other (2 ms a tiny step)
         dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
