@@ -248,8 +248,13 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
     (b, 1, fed, width + fed) bool. Returns (1, N, H, D), contiguous; differentiable in query, key
     and value, whose gradients come back contiguous (1, heads, N, D), the layout a compiled
-    block's backward takes them in. The numbers of ``attention`` on the rows with their prompts' keys gathered in front."""
+    block's backward takes them in. The numbers of ``attention`` on the rows with their prompts'
+    keys gathered in front."""
     group = group.contiguous().long()
+    prompts = (query.shape[2] - group.numel() * fed) // width
+    if group.numel() and (int(group.min()) < 0 or int(group.max()) >= prompts):  # the kernels index with it
+        raise IndexError(f"shared_prompt_attention: group ids must lie in [0, {prompts}), got "
+                         f"{int(group.min())} .. {int(group.max())}")
     prompts_mask = _mask_bytes(prompt_mask, width, width)
     return _SharedPrompts.apply(query, key, value, group, width, fed, prompts_mask,
                                 _mask_bytes(rows_mask, fed, width + fed), float(scale))

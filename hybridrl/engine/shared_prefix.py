@@ -17,8 +17,9 @@ kernels apply, ``cpu_attention.shared_prompt_attention`` does both in one autogr
 rows read their prompt's keys in place, the output and the gradients are written straight into the
 flat sequence's layout (the tiny model's attention with its copies, 12.0 -> 9.9 ms a layer forward
 and backward, 16 prompts x 8 rows x 63 tokens). Elsewhere (``sdpa``) the prompt keys are gathered
-per row and each part goes through ``cpu_attention.hf_attention``. An earlier version ran the prompts and the rows as two model
-calls: twice the calls per layer, products of fewer rows, and each weight's two gradients summed;
+per row and each part goes through ``cpu_attention.hf_attention``. An earlier version ran the
+prompts and the rows as two model calls: twice the calls per layer, products of fewer rows, and
+each weight's two gradients summed;
 SmolLM2's update (4 prompts x 4 rows, 36 + 32 tokens) took 3.75 s that way against 3.59 s now
 (alternating in one process).
 
@@ -96,9 +97,10 @@ def _split(states: torch.Tensor, share: _Share) -> tuple[torch.Tensor, torch.Ten
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Attention over ``shared_prompt_logits``' flat sequence: each prompt causally over itself, each
-    row over its prompt's keys and values followed by its own, causally; through
-    ``cpu_attention.hf_attention`` (hybridrl's kernels, or sdpa where they do not apply). Returns the
-    flat (1, T, H, D) output transformers expects."""
+    row over its prompt's keys and values followed by its own, causally: in one call of hybridrl's
+    kernels (``cpu_attention.shared_prompt_attention``) where they apply, else with the prompt keys
+    gathered per row through ``cpu_attention.hf_attention`` (sdpa). Returns the flat (1, T, H, D)
+    output transformers expects."""
     share = _active
     if cpu_attention.shared_prompt_usable(query, key, value) and cpu_attention.plain(kwargs.get("dropout", 0.0), kwargs):
         scale = kwargs.get("scaling")

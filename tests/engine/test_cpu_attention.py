@@ -157,6 +157,14 @@ def test_shared_prompt_attention_equals_rows_with_their_prompts_gathered(h, kvh,
     assert float(grads[1][:, :, :cut].abs().max()) > 0  # the prompts' keys get their rows' gradients
 
 
+def test_shared_prompt_attention_refuses_a_group_outside_the_prompts():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (_flat(2, 4, 3, 5, n, 16, gen) for n in (2, 2, 2))
+    rows_mask = torch.ones(3, 1, 5, 9, dtype=torch.bool)
+    with pytest.raises(IndexError, match=r"group ids must lie in \[0, 2\), got 0 .. 2"):
+        cpu_attention.shared_prompt_attention(q, k, v, torch.tensor([0, 1, 2]), 4, 5, None, rows_mask, 0.2)
+
+
 def test_shared_prompt_attention_is_the_same_on_two_threads():
     gen = torch.Generator().manual_seed(5)
     group = torch.tensor([0, 0, 1, 1, 1])
