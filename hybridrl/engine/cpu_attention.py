@@ -40,8 +40,8 @@ from hybridrl.utils import native_build
 logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "shared_prompt_attention",
-           "shared_prompt_usable", "token_logprob", "token_logprob_backward", "token_usable", "transposed", "usable",
-           "use_for"]
+           "shared_prompt_usable", "split_flat", "token_logprob", "token_logprob_backward", "token_usable",
+           "transposed", "usable", "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_HEAD_DIM = 256
@@ -202,7 +202,7 @@ class _SharedPrompts(torch.autograd.Function):
         prompts = cut // width
         out = torch.empty(n, h, d)
         lse_prompts, lse_rows = torch.empty(prompts, h, width), torch.empty(group.numel(), h, fed)
-        (qp, qr), (kp, kr), (vp, vr) = (_flat_parts(x, cut, width, fed) for x in (query, key, value))
+        (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
         _run_forward(qp, kp, vp, None, prompt_mask, scale, out[:cut], lse_prompts)
         _run_forward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], lse_rows)
         ctx.save_for_backward(query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows)
@@ -217,8 +217,8 @@ class _SharedPrompts(torch.autograd.Function):
         # contiguous (1, heads, N, D): a compiled block's backward takes its gradients in that
         # layout (AOTAutograd's tangents with dynamic shapes) and copied any other (2 ms a tiny step)
         dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
-        (qp, qr), (kp, kr), (vp, vr) = (_flat_parts(x, cut, width, fed) for x in (query, key, value))
-        (dqp, dqr), (dkp, dkr), (dvp, dvr) = (_flat_parts(x, cut, width, fed) for x in (dq, dk, dv))
+        (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
+        (dqp, dqr), (dkp, dkr), (dvp, dvr) = (split_flat(x, cut, width, fed) for x in (dq, dk, dv))
         _run_backward(qp, kp, vp, None, prompt_mask, scale, out[:cut], grad_out[:cut], lse_prompts, dqp, dkp, dvp)
         # each prompt's keys and values: their own gradient (above), plus all its rows'
         _run_backward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], grad_out[cut:], lse_rows, dqr, dkr,
@@ -226,10 +226,12 @@ class _SharedPrompts(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _flat_parts(x: torch.Tensor, cut: int, width: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, heads, N, D) of the flat sequence -> the prompts' (U, heads, width, D) and the rows' (b,
-    heads, fed, D), views."""
-    prompts, rows = x[0, :, :cut], x[0, :, cut:]
+def split_flat(x: torch.Tensor, cut: int, width: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, heads, N, D) of the shared-prompt forward's flat sequence -> the prompts' (U, heads, width,
+    D) (its first ``cut`` positions) and the rows' (b, heads, fed, D), views. One ``split`` (under
+    autograd its backward joins the two gradients in one copy; two slices would each fill a
+    full-size zero tensor and add them up)."""
+    prompts, rows = x.squeeze(0).split([cut, x.shape[2] - cut], dim=1)  # squeeze: [0]'s backward copies
     return prompts.unflatten(1, (-1, width)).transpose(0, 1), rows.unflatten(1, (-1, fed)).transpose(0, 1)
 
 
@@ -240,13 +242,13 @@ def shared_prompt_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: torch.Tensor,
                             width: int, fed: int, prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float | None = None) -> torch.Tensor:
     """Attention over one flat sequence of U prompts of ``width`` positions followed by b rows of
     ``fed`` positions (``hybridrl.engine.shared_prefix``), for operands ``shared_prompt_usable``
     takes: query (1, H, N, D), key and value (1, KVH, N, D), N = U width + b fed. Prompt u attends
     causally over itself through ``prompt_mask`` (U, 1, width, width) bool (None: causal); row i
     attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
-    (b, 1, fed, width + fed) bool. Returns (1, N, H, D), contiguous; differentiable in query, key
+    (b, 1, fed, width + fed) bool; ``scale`` None: head size ** -0.5. Returns (1, N, H, D), contiguous; differentiable in query, key
     and value, whose gradients come back contiguous (1, heads, N, D), the layout a compiled
     block's backward takes them in. The numbers of ``attention`` on the rows with their prompts'
     keys gathered in front."""
@@ -257,7 +259,11 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                          f"{int(group.min())} .. {int(group.max())}")
     prompts_mask = _mask_bytes(prompt_mask, width, width)
     return _SharedPrompts.apply(query, key, value, group, width, fed, prompts_mask,
-                                _mask_bytes(rows_mask, fed, width + fed), float(scale))
+                                _mask_bytes(rows_mask, fed, width + fed), float(_scale(scale, query)))
+
+
+def _scale(scaling: float | None, query: torch.Tensor) -> float:
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -291,8 +297,7 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
         mask = _shared_mask(t, s, causal and t > 1)
     else:
         mask = _mask_bytes(attention_mask, t, s)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _Attention.apply(query, key, value, mask, float(scale)), None
+    return _Attention.apply(query, key, value, mask, float(_scale(scaling, query))), None
 
 
 ATTENTION_NAME = "hybridrl_cpu"  # the transformers attention implementation ``use_for`` sets

@@ -87,12 +87,7 @@ _active: _Share | None = None
 
 def _split(states: torch.Tensor, share: _Share) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, H, T, D) of the flat sequence -> the prompts' (U, H, width, D) and the rows' (b, H, fed, D), views."""
-    cut = share.prompts * share.width
-    # one split (its backward joins the two gradients in one copy; two slices would each fill a
-    # full-size zero tensor and add them up)
-    prompt, rows = states.squeeze(0).split([cut, states.shape[2] - cut], dim=1)  # squeeze: [0]'s backward copies
-    return (prompt.unflatten(1, (share.prompts, share.width)).transpose(0, 1),
-            rows.unflatten(1, (-1, share.fed)).transpose(0, 1))
+    return cpu_attention.split_flat(states, share.prompts * share.width, share.width, share.fed)
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
@@ -103,10 +98,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     output transformers expects."""
     share = _active
     if cpu_attention.shared_prompt_usable(query, key, value) and cpu_attention.plain(kwargs.get("dropout", 0.0), kwargs):
-        scale = kwargs.get("scaling")
-        scale = scale if scale is not None else query.shape[-1] ** -0.5
         return cpu_attention.shared_prompt_attention(query, key, value, share.index, share.width, share.fed,
-                                                     share.prompt_mask, share.response_mask, scale), None
+                                                     share.prompt_mask, share.response_mask, kwargs.get("scaling")), None
     q_prompt, q_rows = _split(query, share)
     k_prompt, k_rows = _split(key, share)
     v_prompt, v_rows = _split(value, share)
