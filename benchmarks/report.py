@@ -130,7 +130,9 @@ def targets_table(rows: list[dict]) -> str:
             add("e2e >= 75% of floor", r, r["hybridrl_floor_frac"], r["hybridrl_floor_frac"] >= 0.75, "{:.1%}")
         if r["update_mfu"] is not None:
             add("update >= 75% MFU", r, r["update_mfu"], r["update_mfu"] >= 0.75, "{:.1%}")
-        add("controller < 5% of step", r, r["controller_frac"], r["controller_frac"] < 0.05, "{:.2%}")
+        if r["case"]["name"] == "quickstart":  # the target's size; the other rows are in the scaling table
+            add("controller < 5% of step (quickstart's size)", r, r["controller_frac"], r["controller_frac"] < 0.05,
+                "{:.2%}")
         if r["padding_efficiency"] is not None:
             add("padding efficiency >= 0.9", r, r["padding_efficiency"], r["padding_efficiency"] >= 0.9, "{:.3f}")
     return "\n".join(lines)
