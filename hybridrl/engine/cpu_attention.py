@@ -248,9 +248,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     takes: query (1, H, N, D), key and value (1, KVH, N, D), N = U width + b fed. Prompt u attends
     causally over itself through ``prompt_mask`` (U, 1, width, width) bool (None: causal); row i
     attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
-    (b, 1, fed, width + fed) bool; ``scale`` None: head size ** -0.5. Returns (1, N, H, D), contiguous; differentiable in query, key
-    and value, whose gradients come back contiguous (1, heads, N, D), the layout a compiled
-    block's backward takes them in. The numbers of ``attention`` on the rows with their prompts'
+    (b, 1, fed, width + fed) bool; ``scale`` None: head size ** -0.5. Returns (1, N, H, D),
+    contiguous; differentiable in query, key and value, whose gradients come back contiguous
+    (1, heads, N, D), the layout a compiled block's backward takes them in. The numbers of ``attention`` on the rows with their prompts'
     keys gathered in front."""
     group = group.contiguous().long()
     prompts = (query.shape[2] - group.numel() * fed) // width

@@ -140,17 +140,15 @@ class PPOTrainer:
                 self.global_step += 1
                 last = self.train_step()
                 self.steps_run += 1
-                if self.steps_run <= gc_freeze.WARMUP_STEPS:
+                if self.freezes_gc_after(self.steps_run):
                     # long-lived objects (compiled graphs, modules) out of the collector's full
                     # passes; between steps, outside their timing (hybridrl.utils.gc_freeze)
                     self.workers.freeze_gc()
                     gc_freeze.freeze_survivors()
-                is_last = self.global_step == self.total_steps
-                if self.val_loader is not None and trainer.test_freq > 0 and (
-                        self.global_step % trainer.test_freq == 0 or is_last):
+                if self.validates_after(self.global_step):
                     last.update(self.validate())
                 self.tracking.log(last, step=self.global_step)
-                if trainer.save_freq > 0 and (self.global_step % trainer.save_freq == 0 or is_last):
+                if self.saves_after(self.global_step):
                     self.save_checkpoint()
         finally:
             self.next_generation = None  # sent only where a next step follows; dropped if a step failed
@@ -366,16 +364,30 @@ class PPOTrainer:
         same numbers, and checkpoints that resume exactly): not on the last step, a validation or
         checkpoint step, the steps whose end freezes the workers' objects, nor with dynamic
         sampling (its generation count depends on the scores)."""
-        trainer, step = self.config.trainer, self.global_step
+        step = self.global_step
         if not getattr(self.workers, "asynchronous", False) or not hasattr(self.workers, "submit"):
             return False
-        if step >= self.total_steps or self.steps_run + 1 <= gc_freeze.WARMUP_STEPS:
+        if step >= self.total_steps or self.freezes_gc_after(self.steps_run + 1):  # this step not yet counted
             return False
         if self.config.algorithm.filter_groups.enable:
             return False
-        validates = self.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0
-        saves = trainer.save_freq > 0 and step % trainer.save_freq == 0
-        return not validates and not saves
+        return not self.validates_after(step) and not self.saves_after(step)
+
+    @staticmethod
+    def freezes_gc_after(steps_run: int) -> bool:
+        """Whether the end of this fit's ``steps_run``-th step freezes long-lived objects (gc_freeze)."""
+        return steps_run <= gc_freeze.WARMUP_STEPS
+
+    def validates_after(self, step: int) -> bool:
+        """Whether step ``step`` ends with a validation (every ``test_freq`` steps and the last)."""
+        trainer = self.config.trainer
+        return self.val_loader is not None and trainer.test_freq > 0 and (
+            step % trainer.test_freq == 0 or step == self.total_steps)
+
+    def saves_after(self, step: int) -> bool:
+        """Whether step ``step`` ends with a checkpoint (every ``save_freq`` steps and the last)."""
+        save_freq = self.config.trainer.save_freq
+        return save_freq > 0 and (step % save_freq == 0 or step == self.total_steps)
 
     def update_with_log_probs(self, batch: DataProto, timer: Timer, metrics: dict[str, float]) -> tuple[DataProto, bool]:
         """The old / reference log-prob calls, the actor update and the weight sync sent together
