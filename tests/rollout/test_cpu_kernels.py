@@ -421,9 +421,11 @@ def test_select_tokens_matches_torch_ops(kernels, monkeypatch, vocab, temperatur
     monkeypatch.setattr(sampling, "_kernels_for", lambda logits, params: None)
     plain = sampling.select_tokens(logits, params, uniforms)
     same = fused[0] == plain[0]
-    torch.testing.assert_close(fused[1][same], plain[1][same], rtol=1e-5, atol=1e-5)
+    # torch's own float32 log_softmax over 49152 logits is off by up to 1.3e-5 on an AVX2 build (the
+    # kernel sums its blocks in double: within 1e-6 of float64 here), so the two paths agree to 3e-5
+    torch.testing.assert_close(fused[1][same], plain[1][same], rtol=1e-5, atol=3e-5)
     exact = torch.log_softmax(logits.double() / (temperature if not greedy else 1.0), -1)
-    torch.testing.assert_close(fused[1].double(), exact.gather(-1, fused[0][:, None]).squeeze(-1), rtol=0, atol=5e-5)
+    torch.testing.assert_close(fused[1].double(), exact.gather(-1, fused[0][:, None]).squeeze(-1), rtol=0, atol=1e-5)
     if greedy or vocab <= 1000:
         assert torch.equal(fused[0], plain[0])
     if not greedy:
