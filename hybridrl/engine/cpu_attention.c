@@ -3,15 +3,16 @@
  * torch's CPU attention (scaled_dot_product_attention) runs its small per-head products through
  * the BLAS sgemm, which on AMD processors is MKL's AVX2 code at about half of what the machine can
  * do, and with an explicit mask it visits every key of every query. Here the products are
- * register-blocked AVX-512 loops over 8 queries at a time, and each block of queries visits only
+ * register-blocked loops over RB queries at a time (16-float vectors, hybridrl/utils/hr_simd.h:
+ * AVX-512, or AVX2 + FMA as pairs of ymm registers), and each block of queries visits only
  * the keys between the first and the last one its mask allows (causal attention skips the upper
  * triangle, left padding its columns). At the short sequences of RL training (tens of keys) the
  * work around the products weighs as much as they do, so it is vectorised too: each mask row's key
  * range is found once per call, the softmax reads 16 mask bytes per step and computes its own exp,
  * keys are transposed 16 x 16 in registers, and the backward's per-query dot(dO, O) is one pass
  * over both tensors before the blocks. Built at run time by hybridrl/engine/cpu_attention.py (see
- * hybridrl/utils/native_build.py); without AVX-512, hr_attention_supported() is 0 and torch's
- * attention is used.
+ * hybridrl/utils/native_build.py); without AVX-512 or AVX2, hr_attention_supported() is 0 and
+ * torch's attention is used.
  *
  * Shapes (float32; strides in elements, the last dimension always contiguous):
  *   q            (B, H, T, D)     strides qsb, qsh, qst
@@ -36,12 +37,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, transpose_rows16 */
+#include "../utils/hr_simd.h" /* hv, hm, lanes, hv_exp, transpose16, transpose_rows16 */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+/* The vector code this build runs: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none: unsupported). */
+int hr_simd(void) { return HR_SIMD; }
 
-#define RB 8  /* queries per block */
+#if HR_SIMD
+
+/* Queries per block, and whether the products also run 32 keys / columns at a time: the
+ * accumulators of a block (RB x 2 vectors wide, RB x 1 narrow) and the operands must fit in the
+ * registers. AVX-512 has 32 (8 x 2 accumulators); AVX2 16 ymm, a vector being two of them, so 6 x 1
+ * (12 + 2 operand + 1 broadcast). At the tiny model's shapes (128 rows, 79 keys, head size 32, one
+ * thread, a Zen 3) the forward took 8.5 ms so, 14.6 at 8 x 2 (spilling) and 9.2 at 4 x 1. */
+#if HR_SIMD == 512
+#define RB 8
+#define HR_WIDE 1
+#else
+#define RB 6
+#define HR_WIDE 0
+#endif
 #define NEG -3.0e38f
 
 int hr_attention_supported(void) { return 1; }
@@ -77,11 +91,11 @@ static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, in
     int64_t S16 = round_up(S, 16);
     for (int64_t j0 = 0; j0 < S16; j0 += 16)
         for (int64_t c0 = 0; c0 < D; c0 += 16) {
-            __m512 r[16];
+            hv r[16];
             for (int64_t i = 0; i < 16; i++)
-                r[i] = j0 + i < S ? _mm512_loadu_ps(x + (j0 + i) * xs + c0) : _mm512_setzero_ps();
+                r[i] = j0 + i < S ? hv_loadu(x + (j0 + i) * xs + c0) : hv_zero();
             transpose16(r);
-            for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c0 + i) * Sp + j0, r[i]);
+            for (int64_t i = 0; i < 16; i++) hv_storeu(kt + (c0 + i) * Sp + j0, r[i]);
         }
     for (int64_t c = 0; c < D; c++) memset(kt + c * Sp + S16, 0, (Sp - S16) * sizeof(float));
 }
@@ -90,30 +104,30 @@ static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, in
 static void row_dots(const float *const *rows, const float *kt, int64_t Sp, int64_t D, int64_t j0, int64_t j1,
                      float *s) {
     int64_t j = j0;
-    for (; j + 32 <= j1; j += 32) {
-        __m512 a[RB][2];
-        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (; HR_WIDE && j + 32 <= j1; j += 32) {
+        hv a[RB][2];
+        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = hv_zero();
         for (int64_t c = 0; c < D; c++) {
-            __m512 k0 = _mm512_loadu_ps(kt + c * Sp + j), k1 = _mm512_loadu_ps(kt + c * Sp + j + 16);
+            hv k0 = hv_loadu(kt + c * Sp + j), k1 = hv_loadu(kt + c * Sp + j + 16);
             for (int r = 0; r < RB; r++) {
-                __m512 b = _mm512_set1_ps(rows[r][c]);
-                a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
+                hv b = hv_set1(rows[r][c]);
+                a[r][0] = hv_fmadd(b, k0, a[r][0]);
+                a[r][1] = hv_fmadd(b, k1, a[r][1]);
             }
         }
         for (int r = 0; r < RB; r++) {
-            _mm512_storeu_ps(s + r * Sp + j, a[r][0]);
-            _mm512_storeu_ps(s + r * Sp + j + 16, a[r][1]);
+            hv_storeu(s + r * Sp + j, a[r][0]);
+            hv_storeu(s + r * Sp + j + 16, a[r][1]);
         }
     }
     for (; j < j1; j += 16) {
-        __m512 a[RB];
-        for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+        hv a[RB];
+        for (int r = 0; r < RB; r++) a[r] = hv_zero();
         for (int64_t c = 0; c < D; c++) {
-            __m512 k0 = _mm512_loadu_ps(kt + c * Sp + j);
-            for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r][c]), k0, a[r]);
+            hv k0 = hv_loadu(kt + c * Sp + j);
+            for (int r = 0; r < RB; r++) a[r] = hv_fmadd(hv_set1(rows[r][c]), k0, a[r]);
         }
-        for (int r = 0; r < RB; r++) _mm512_storeu_ps(s + r * Sp + j, a[r]);
+        for (int r = 0; r < RB; r++) hv_storeu(s + r * Sp + j, a[r]);
     }
 }
 
@@ -123,32 +137,32 @@ static void row_dots(const float *const *rows, const float *kt, int64_t Sp, int6
 static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs, int64_t D, int64_t j0, int64_t j1,
                           const float *f, float *const *out) {
     int64_t c = 0;
-    for (; c + 32 <= D; c += 32) {
-        __m512 a[RB][2];
-        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (; HR_WIDE && c + 32 <= D; c += 32) {
+        hv a[RB][2];
+        for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = hv_zero();
         for (int64_t j = j0; j < j1; j++) {
             const float *xr = x + j * xs + c;
-            __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+            hv x0 = hv_loadu(xr), x1 = hv_loadu(xr + 16);
             for (int r = 0; r < RB; r++) {
-                __m512 b = _mm512_set1_ps(w[r * Sp + j]);
-                a[r][0] = _mm512_fmadd_ps(b, x0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(b, x1, a[r][1]);
+                hv b = hv_set1(w[r * Sp + j]);
+                a[r][0] = hv_fmadd(b, x0, a[r][0]);
+                a[r][1] = hv_fmadd(b, x1, a[r][1]);
             }
         }
         for (int r = 0; r < RB; r++) {
-            __m512 fr = _mm512_set1_ps(f ? f[r] : 1.f);
-            _mm512_storeu_ps(out[r] + c, _mm512_mul_ps(a[r][0], fr));
-            _mm512_storeu_ps(out[r] + c + 16, _mm512_mul_ps(a[r][1], fr));
+            hv fr = hv_set1(f ? f[r] : 1.f);
+            hv_storeu(out[r] + c, hv_mul(a[r][0], fr));
+            hv_storeu(out[r] + c + 16, hv_mul(a[r][1], fr));
         }
     }
     for (; c < D; c += 16) {
-        __m512 a[RB];
-        for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+        hv a[RB];
+        for (int r = 0; r < RB; r++) a[r] = hv_zero();
         for (int64_t j = j0; j < j1; j++) {
-            __m512 x0 = _mm512_loadu_ps(x + j * xs + c);
-            for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * Sp + j]), x0, a[r]);
+            hv x0 = hv_loadu(x + j * xs + c);
+            for (int r = 0; r < RB; r++) a[r] = hv_fmadd(hv_set1(w[r * Sp + j]), x0, a[r]);
         }
-        for (int r = 0; r < RB; r++) _mm512_storeu_ps(out[r] + c, _mm512_mul_ps(a[r], _mm512_set1_ps(f ? f[r] : 1.f)));
+        for (int r = 0; r < RB; r++) hv_storeu(out[r] + c, hv_mul(a[r], hv_set1(f ? f[r] : 1.f)));
     }
 }
 
@@ -156,43 +170,47 @@ static void weighted_rows(const float *w, int64_t Sp, const float *x, int64_t xs
 static void add_outer(const float *w, int64_t Sp, const float *const *rows, int64_t D, int64_t j0, int64_t j1,
                       float *acc) {
     int64_t c = 0;
-    for (; c + 32 <= D; c += 32) {
-        __m512 x[RB][2];
-        for (int r = 0; r < RB; r++) x[r][0] = _mm512_loadu_ps(rows[r] + c), x[r][1] = _mm512_loadu_ps(rows[r] + c + 16);
+    for (; HR_WIDE && c + 32 <= D; c += 32) {
+        hv x[RB][2];
+        for (int r = 0; r < RB; r++) x[r][0] = hv_loadu(rows[r] + c), x[r][1] = hv_loadu(rows[r] + c + 16);
         for (int64_t j = j0; j < j1; j++) {
             float *ar = acc + j * D + c;
-            __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
+            hv a0 = hv_loadu(ar), a1 = hv_loadu(ar + 16);
             for (int r = 0; r < RB; r++) {
-                __m512 b = _mm512_set1_ps(w[r * Sp + j]);
-                a0 = _mm512_fmadd_ps(b, x[r][0], a0);
-                a1 = _mm512_fmadd_ps(b, x[r][1], a1);
+                hv b = hv_set1(w[r * Sp + j]);
+                a0 = hv_fmadd(b, x[r][0], a0);
+                a1 = hv_fmadd(b, x[r][1], a1);
             }
-            _mm512_storeu_ps(ar, a0);
-            _mm512_storeu_ps(ar + 16, a1);
+            hv_storeu(ar, a0);
+            hv_storeu(ar + 16, a1);
         }
     }
     for (; c < D; c += 16) {
-        __m512 x[RB];
-        for (int r = 0; r < RB; r++) x[r] = _mm512_loadu_ps(rows[r] + c);
+        hv x[RB];
+        for (int r = 0; r < RB; r++) x[r] = hv_loadu(rows[r] + c);
         for (int64_t j = j0; j < j1; j++) {
             float *ar = acc + j * D + c;
-            __m512 a0 = _mm512_loadu_ps(ar);
-            for (int r = 0; r < RB; r++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[r * Sp + j]), x[r], a0);
-            _mm512_storeu_ps(ar, a0);
+            hv a0 = hv_loadu(ar);
+            for (int r = 0; r < RB; r++) a0 = hv_fmadd(hv_set1(w[r * Sp + j]), x[r], a0);
+            hv_storeu(ar, a0);
         }
     }
 }
 
 /* Lanes of keys [j, j + 16) that mask row m allows, none at or past `end`. */
-static inline __mmask16 allowed16(const uint8_t *m, int64_t j, int64_t end) {
-    __mmask16 in = lanes(end - j);
+static inline hm allowed16(const uint8_t *m, int64_t j, int64_t end) {
+    hm in = lanes(end - j);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     __m128i v = _mm_maskz_loadu_epi8(in, m + j);
     return _mm_test_epi8_mask(v, v);
 #else
+    if (in == 0xFFFF) { /* 16 whole bytes: the lanes that are not zero */
+        __m128i v = _mm_loadu_si128((const __m128i *)(m + j));
+        return (hm)~_mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_setzero_si128()));
+    }
     unsigned bits = 0;
     for (int i = 0; i < 16; i++) bits |= (unsigned)((in >> i) & 1 && m[j + i] != 0) << i;
-    return (__mmask16)bits;
+    return (hm)bits;
 #endif
 }
 
@@ -244,25 +262,6 @@ static int key_range(const hr_att *a, int64_t b, int64_t t0, int64_t rows, int64
     return 1;
 }
 
-/* exp(x) for x in [-87.3, 88.7] (smaller gives 0) to about 1 ulp: 2^n times a degree-7 polynomial of
- * the remainder (Cephes' expf). The compiler's vectorised expf was a separate call per 16 values. */
-static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
-    __m512 y = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-    q = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_scalef_ps(q, n));
-}
-
 /* p[r][j] = exp(scale s[r][j] - lse) over allowed keys in [j0, j1), 0 elsewhere in that range and in
  * rows past `rows`. With lse NULL the row's own log-sum-exp is computed and written to lse_out[r]
  * (0 for a row with no allowed key), p is left unnormalised, exp(scale s - max), and the factor that
@@ -270,7 +269,7 @@ static inline __m512 exp512(__m512 x) {
  * scales its D outputs of a row instead of the row's keys. j0 and j1 are multiples of 16. */
 static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, float *p, int64_t Sp, int64_t j0,
                          int64_t j1, const float *lse_in, float *lse_out, float *inv) {
-    const __m512 scale = _mm512_set1_ps(a->scale), neg = _mm512_set1_ps(NEG);
+    const hv scale = hv_set1(a->scale), neg = hv_set1(NEG);
     const uint8_t *mrow = a->mask + b * a->msb + t0 * a->mst;
     for (int64_t r = rows; r < RB; r++) {
         memset(p + r * Sp + j0, 0, (j1 - j0) * sizeof(float));
@@ -280,10 +279,10 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
         for (int64_t r = 0; r < rows; r++) {
             float *pr = p + r * Sp;
             const uint8_t *m = mrow + r * a->mst;
-            __m512 l = _mm512_set1_ps(lse_in[r]);
+            hv l = hv_set1(lse_in[r]);
             for (int64_t j = j0; j < j1; j += 16) {
-                __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pr + j), scale), l);
-                _mm512_storeu_ps(pr + j, _mm512_maskz_mov_ps(allowed16(m, j, a->S), exp512(x)));
+                hv x = hv_sub(hv_mul(hv_loadu(pr + j), scale), l);
+                hv_storeu(pr + j, hv_maskz_mov(allowed16(m, j, a->S), hv_exp(x)));
             }
         }
         return;
@@ -291,32 +290,32 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
     /* Each step over all rows before the next: a row alone is one chain of dependent steps (its
      * maximum, the exponentials after it, their sum, its logarithm), which left the core waiting
      * (0.65 of a 1.9 ms forward at the tiny model's shapes); the rows' chains are independent. */
-    __m512 top[RB], total[RB];
+    hv top[RB], total[RB];
     float mx[RB];
     for (int64_t r = 0; r < rows; r++) {
         float *pr = p + r * Sp;
         const uint8_t *m = mrow + r * a->mst;
         top[r] = neg;
         for (int64_t j = j0; j < j1; j += 16) {
-            __m512 x = _mm512_mask_mul_ps(neg, allowed16(m, j, a->S), _mm512_loadu_ps(pr + j), scale);
-            top[r] = _mm512_max_ps(top[r], x);
-            _mm512_storeu_ps(pr + j, x);
+            hv x = hv_mask_mul(neg, allowed16(m, j, a->S), hv_loadu(pr + j), scale);
+            top[r] = hv_max(top[r], x);
+            hv_storeu(pr + j, x);
         }
     }
-    for (int64_t r = 0; r < rows; r++) mx[r] = _mm512_reduce_max_ps(top[r]);
+    for (int64_t r = 0; r < rows; r++) mx[r] = hv_reduce_max(top[r]);
     for (int64_t r = 0; r < rows; r++) {
         float *pr = p + r * Sp;
-        total[r] = _mm512_setzero_ps();
+        total[r] = hv_zero();
         if (mx[r] == NEG) { /* no allowed key */
             memset(pr + j0, 0, (j1 - j0) * sizeof(float));
             continue;
         }
-        __m512 vmx = _mm512_set1_ps(mx[r]);
+        hv vmx = hv_set1(mx[r]);
         for (int64_t j = j0; j < j1; j += 16) {
-            __m512 x = _mm512_loadu_ps(pr + j);
-            __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, vmx)));
-            total[r] = _mm512_add_ps(total[r], e);
-            _mm512_storeu_ps(pr + j, e);
+            hv x = hv_loadu(pr + j);
+            hv e = hv_maskz_mov(hv_cmp_neq(x, neg), hv_exp(hv_sub(x, vmx)));
+            total[r] = hv_add(total[r], e);
+            hv_storeu(pr + j, e);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -324,7 +323,7 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
             lse_out[r] = 0.f, inv[r] = 0.f;
             continue;
         }
-        float sum = _mm512_reduce_add_ps(total[r]);
+        float sum = hv_reduce_add(total[r]);
         inv[r] = 1.f / sum;
         lse_out[r] = mx[r] + logf(sum);
     }
@@ -361,7 +360,7 @@ static void scratch_free(hr_scratch *s) {
 /* rows [0, n) of x (row stride xs) to dst (row stride ds), D floats each */
 static void copy_rows(const float *x, int64_t xs, int64_t n, int64_t D, float *dst, int64_t ds) {
     for (int64_t j = 0; j < n; j++)
-        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(dst + j * ds + c, _mm512_loadu_ps(x + j * xs + c));
+        for (int64_t c = 0; c < D; c += 16) hv_storeu(dst + j * ds + c, hv_loadu(x + j * xs + c));
 }
 
 /* The keys and values of one (row, kv head), S rows of D floats each, contiguous in kc and vc: the
@@ -378,7 +377,7 @@ static void gather_kv(const hr_att *a, int64_t b, int64_t kh, float *kc, float *
     copy_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - P, D, vc + P * D, D);
 }
 
-/* Requests the query rows of the block after (t0, h): the next 8 positions of this head, else the
+/* Requests the query rows of the block after (t0, h): the next RB positions of this head, else the
  * first of the next head of the same kv head (a block's rows are qst apart, which the hardware
  * prefetcher did not follow: 3.3 -> 2.8 ms of a forward at the tiny model's shapes). */
 static void prefetch_next_block(const float *x, int64_t sb, int64_t sh, int64_t st, int64_t b, int64_t h,
@@ -476,9 +475,9 @@ static void row_deltas(hr_att *a, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *x = a->dout + i * D, *y = a->out + i * D;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(y));
-        for (int64_t c = 16; c < D; c += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(y + c)));
-        a->delta[i] = _mm512_reduce_add_ps(acc);
+        hv acc = hv_mul(hv_loadu(x), hv_loadu(y));
+        for (int64_t c = 16; c < D; c += 16) acc = hv_add(acc, hv_mul(hv_loadu(x + c), hv_loadu(y + c)));
+        a->delta[i] = hv_reduce_add(acc);
     }
 }
 
@@ -495,8 +494,8 @@ static void add_shared_grads(const hr_att *a, int nthreads) {
             float *dk = a->dkp + u * a->dkpsb + kh * a->dkpsh + j * a->dkpst;
             float *dv = a->dvp + u * a->dkpsb + kh * a->dkpsh + j * a->dkpst;
             for (int64_t c = 0; c < D; c += 16) {
-                _mm512_storeu_ps(dk + c, _mm512_add_ps(_mm512_loadu_ps(dk + c), _mm512_loadu_ps(rs + c)));
-                _mm512_storeu_ps(dv + c, _mm512_add_ps(_mm512_loadu_ps(dv + c), _mm512_loadu_ps(rs + P * D + c)));
+                hv_storeu(dk + c, hv_add(hv_loadu(dk + c), hv_loadu(rs + c)));
+                hv_storeu(dv + c, hv_add(hv_loadu(dv + c), hv_loadu(rs + P * D + c)));
             }
         }
     }
@@ -595,16 +594,16 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *z = logits + i * V;
-        __m512 top = _mm512_set1_ps(NEG);
+        hv top = hv_set1(NEG);
         int64_t j = 0;
-        for (; j + 16 <= V; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(z + j));
-        __mmask16 tail = lanes(V - j);
-        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, z + j));
-        float m = _mm512_reduce_max_ps(top);
-        __m512 mx = _mm512_set1_ps(m), total = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= V; j += 16) total = _mm512_add_ps(total, exp512(_mm512_sub_ps(_mm512_loadu_ps(z + j), mx)));
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, z + j), mx))));
-        float sum = _mm512_reduce_add_ps(total);
+        for (; j + 16 <= V; j += 16) top = hv_max(top, hv_loadu(z + j));
+        hm tail = lanes(V - j);
+        top = hv_mask_max(top, tail, top, hv_maskz_loadu(tail, z + j));
+        float m = hv_reduce_max(top);
+        hv mx = hv_set1(m), total = hv_zero();
+        for (j = 0; j + 16 <= V; j += 16) total = hv_add(total, hv_exp(hv_sub(hv_loadu(z + j), mx)));
+        total = hv_add(total, hv_maskz_mov(tail, hv_exp(hv_sub(hv_maskz_loadu(tail, z + j), mx))));
+        float sum = hv_reduce_add(total);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
         out[i] = (z[targets[i]] - m) - logf(sum);
     }
@@ -617,12 +616,12 @@ void hr_token_logprob_backward(const float *logits, const int64_t *targets, cons
     for (int64_t i = 0; i < rows; i++) {
         const float *z = logits + i * V;
         float *di = d + i * V;
-        __m512 mx = _mm512_set1_ps(stats[2 * i]), g = _mm512_set1_ps(-grad[i] / stats[2 * i + 1]);
+        hv mx = hv_set1(stats[2 * i]), g = hv_set1(-grad[i] / stats[2 * i + 1]);
         int64_t j = 0;
         for (; j + 16 <= V; j += 16)
-            _mm512_storeu_ps(di + j, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(z + j), mx)), g));
-        __mmask16 tail = lanes(V - j);
-        _mm512_mask_storeu_ps(di + j, tail, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, z + j), mx)), g));
+            hv_storeu(di + j, hv_mul(hv_exp(hv_sub(hv_loadu(z + j), mx)), g));
+        hm tail = lanes(V - j);
+        hv_mask_storeu(di + j, tail, hv_mul(hv_exp(hv_sub(hv_maskz_loadu(tail, z + j), mx)), g));
         di[targets[i]] += grad[i];
     }
 }

@@ -1,10 +1,10 @@
-"""The trainer's attention on CPU in fp32: forward and backward as compiled AVX-512 kernels.
+"""The trainer's attention on CPU in fp32: forward and backward as compiled SIMD kernels.
 
 torch's CPU ``scaled_dot_product_attention`` runs its per-head products through the BLAS sgemm
 (on AMD processors MKL's AVX2 code, about half the machine's rate) and, given an explicit mask,
 visits every key of every query. It took 0.34 s of a 3.8 s update of the 25M benchmark model and a
-fifth of the tiny model's. ``cpu_attention.c`` blocks 8 queries at a time in AVX-512 registers and
-visits only the keys between the first and the last one a block's mask allows, so the causal
+fifth of the tiny model's. ``cpu_attention.c`` blocks queries in vector registers (8 at a time with
+AVX-512, 6 with AVX2 + FMA, ``hybridrl/utils/hr_simd.h``) and visits only the keys between the first and the last one a block's mask allows, so the causal
 upper triangle and left padding are skipped.
 
 ``hf_attention`` has the signature of a transformers attention function and falls back to
@@ -40,7 +40,7 @@ from hybridrl.utils import native_build
 logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "shared_prompt_attention",
-           "shared_prompt_usable", "split_flat", "token_logprob", "token_logprob_backward", "token_usable",
+           "shared_prompt_usable", "simd_width", "split_flat", "token_logprob", "token_logprob_backward", "token_usable",
            "transposed", "usable", "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -62,8 +62,9 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("hybridrl: CPU attention kernels unavailable, using torch's attention: %s", exc)
         return None
     lib.hr_attention_supported.argtypes, lib.hr_attention_supported.restype = [], _INT
+    lib.hr_simd.argtypes, lib.hr_simd.restype = [], _INT
     if not lib.hr_attention_supported():
-        return None  # built without AVX-512
+        return None  # built without AVX-512 or AVX2 + FMA
     lib.hr_attention_forward.argtypes = _OPERANDS + [_PTR, _PTR] + _SHAPE
     lib.hr_attention_backward.argtypes = (_OPERANDS + [_PTR, _PTR, _PTR] + _TENSOR + [_PTR, _PTR, _I64, _I64, _I64]
                                           + [_PTR, _PTR, _I64, _I64, _I64] + _SHAPE)
@@ -76,8 +77,14 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernels are built and usable on this machine (AVX-512, a C compiler, not turned off)."""
+    """Whether the kernels are built and usable on this machine (AVX-512 or AVX2 + FMA, a C compiler, not turned off)."""
     return _library() is not None
+
+
+def simd_width() -> int:
+    """The kernels' vector code on this machine: 512 (AVX-512), 256 (AVX2 + FMA), 0 (none built)."""
+    lib = _library()
+    return lib.hr_simd() if lib is not None else 0
 
 
 def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:

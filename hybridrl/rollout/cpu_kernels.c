@@ -4,7 +4,7 @@
  * ran about forty small torch ops (norms, rotary, cache write, attention, activation), each paying a
  * dispatch for a few kilobytes of work. The first three kernels below do the same arithmetic in three
  * calls per layer; the fourth picks each row's next token (about ten ops per step before). The last
- * section is the step's matmuls themselves (hr_dense, AVX-512), ordered so that reading the weights
+ * section is the step's matmuls themselves (hr_dense, AVX-512 or AVX2), ordered so that reading the weights
  * and computing on them overlap. Built at run time by hybridrl/rollout/cpu_kernels.py with the machine's C compiler and
  * -ffp-contract=off, so a product followed by a sum is rounded as torch rounds it (no fused
  * multiply-add): the rotary embedding and the activation give torch's values; the norm's and the
@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../utils/hr_avx512.h" /* with AVX-512: lanes, transpose16, transpose_rows16 */
+#include "../utils/hr_simd.h" /* hv, hm, lanes, transpose16, transpose_rows16 */
 
 #define MAX_GROUP 64 /* query heads per kv head handled on the stack */
 
@@ -142,8 +142,7 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
                 next_keys);
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if HR_SIMD == 512
 /* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
 static inline __attribute__((always_inline)) void attend64(const float *queries, const float *pkeys,
         const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
@@ -355,12 +354,12 @@ int64_t hr_packed_floats(int64_t n, int64_t k) { return (n + HR_NR - 1) / HR_NR 
 
 /* Rows [0, n) of w (n, k) row-major (NULL: zeros) as columns [col0, col0 + n) of a packed matrix: panels
  * of HR_NR columns, each (k, HR_NR) contiguous. Several weights stacked along n (q, k and v; gate and
- * up) pack side by side at their column offsets, with no concatenated copy first. With AVX-512 and
+ * up) pack side by side at their column offsets, with no concatenated copy first. With SIMD and
  * col0 a multiple of 16, 16 x 16 blocks are transposed in registers (element by element, a SmolLM2
  * repack after every weight update took 100-120 ms, 53 ms so). The next block of rows is requested
  * while this one is transposed: the 16 row streams alone left the reads waiting (53 -> 25 ms). */
 void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0, int nthreads) {
-#if defined(__AVX512F__)
+#if HR_SIMD
     if (w && col0 % 16 == 0) { /* (the zero columns past a matrix go element by element below) */
         int64_t blocks = (n + 15) / 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -384,9 +383,10 @@ void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0
     }
 }
 
-#if defined(__AVX512F__)
+#if HR_SIMD
 int hr_dense_supported(void) { return 1; }
 
+#if HR_SIMD == 512
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
  * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
  * rounding error grows with the chunk length + k / chunk length rather than with k. Every 4 k steps
@@ -418,6 +418,49 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
     for (int i = 0; i < 3 * HR_MR; i++)
         _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
 }
+#else
+/* The same tile with AVX2's 16 ymm registers: they hold a quarter of it, 4 rows x 24 columns (12
+ * accumulators, 3 weight vectors, the broadcast), and the four quarters pass over the chunk in turn
+ * (from L1 after the first). Each output's sum runs in the same order as above, so the results are
+ * the same; the next chunk's prefetches go out during the first quarters' passes. */
+static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
+                           const char *pf, int64_t lines, int64_t per4, int64_t *done) {
+    int64_t issued = *done;
+    for (int rh = 0; rh < 2; rh++) {
+        const float *x0 = x[4 * rh] + kc, *x1 = x[4 * rh + 1] + kc, *x2 = x[4 * rh + 2] + kc, *x3 = x[4 * rh + 3] + kc;
+        for (int ch = 0; ch < 2; ch++) {
+            __m256 a[12];
+            for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+            const float *wc = w + 24 * ch;
+            for (int64_t kk = 0; kk < len; kk++) {
+                if ((kk & 3) == 0)
+                    for (int64_t i = 0; i < per4 && issued < lines; i++, issued++)
+                        _mm_prefetch(pf + issued * 64, _MM_HINT_T0);
+                const float *wk = wc + kk * HR_NR;
+                __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
+                /* in registers: the compiler otherwise folds the loads into each row's FMAs, 16 loads
+                 * a k step for 12 FMAs, more than two 256-bit loads a cycle keep up with */
+                __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2));
+                __m256 b;
+#define HR_ROW(r, xr)                                          \
+                b = _mm256_set1_ps(xr[kk]);                    \
+                a[3 * r] = _mm256_fmadd_ps(b, w0, a[3 * r]);   \
+                a[3 * r + 1] = _mm256_fmadd_ps(b, w1, a[3 * r + 1]); \
+                a[3 * r + 2] = _mm256_fmadd_ps(b, w2, a[3 * r + 2]);
+                HR_ROW(0, x0) HR_ROW(1, x1) HR_ROW(2, x2) HR_ROW(3, x3)
+#undef HR_ROW
+            }
+            float *ac = acc + 4 * rh * HR_NR + 24 * ch;
+            for (int r = 0; r < 4; r++)
+                for (int v = 0; v < 3; v++) {
+                    float *p = ac + r * HR_NR + 8 * v;
+                    _mm256_store_ps(p, first ? a[3 * r + v] : _mm256_add_ps(_mm256_load_ps(p), a[3 * r + v]));
+                }
+        }
+    }
+    *done = issued;
+}
+#endif
 
 /* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_rows.
  * Threads split the panels (output columns); each streams its own contiguous part of `packed`. */
@@ -453,15 +496,15 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
                                 pf, lines, per4, &done);
                 }
                 int64_t cols = n - p * HR_NR;
-                __mmask16 mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
-                __m512 bv[3];
+                hm mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
+                hv bv[3];
                 for (int v = 0; v < 3; v++)
-                    bv[v] = bias ? _mm512_maskz_loadu_ps(mask[v], bias + p * HR_NR + 16 * v) : _mm512_setzero_ps();
+                    bv[v] = bias ? hv_maskz_loadu(mask[v], bias + p * HR_NR + 16 * v) : hv_zero();
                 for (int64_t r = 0; r < rows; r++) {
                     float *o = out + (r0 + r) * n + p * HR_NR;
                     const float *a = acc + r * 48;
                     for (int v = 0; v < 3; v++)
-                        _mm512_mask_storeu_ps(o + 16 * v, mask[v], _mm512_add_ps(_mm512_load_ps(a + 16 * v), bv[v]));
+                        hv_mask_storeu(o + 16 * v, mask[v], hv_add(hv_loadu(a + 16 * v), bv[v]));
                 }
             }
         }
@@ -470,7 +513,7 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
 #else
 int hr_dense_supported(void) { return 0; }
 
-/* Without AVX-512 the decoder keeps MKL's packed GEMM (hr_dense_supported() == 0); never called. */
+/* Without AVX-512 or AVX2 the decoder keeps torch's GEMM (hr_dense_supported() == 0); never called. */
 void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
               int nthreads) {
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)nthreads;
@@ -481,7 +524,7 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
  * A decode step's layers in one call. Called per layer from Python, the kernels above cost about
  * nine calls a layer (four products, the attention, three norms, the activation), each a few
  * microseconds of argument passing: 0.3 ms of a tiny-model step and 1.8 ms of a SmolLM2 one. With
- * packed weights (hr_dense, so AVX-512 builds only) the decoder calls this once per step instead;
+ * packed weights (hr_dense, so AVX-512 or AVX2 builds) the decoder calls this once per step instead;
  * the arithmetic is the same calls in the same order, so the results are bit-identical.
  *
  * On entry `normed` holds layer 0's input norm of `hidden` (width rows, `embed` wide), on return the

@@ -3,7 +3,7 @@
 ``cpu_kernels.c`` holds three kernels for each layer (residual add + RMSNorm, SiLU-and-multiply,
 and rotary + KV-cache write + single-token attention) that replace about forty small torch ops, one
 for token selection (sampling or greedy, with the token's log-prob) that replaces about ten, and the
-decode matmuls (`CpuKernels.dense`, AVX-512 builds only) on weights packed once per weight update;
+decode matmuls (`CpuKernels.dense`, AVX-512 or AVX2 builds) on weights packed once per weight update;
 with those, `CpuKernels.decode_layers` runs all of a step's layers in one call. They
 are compiled once per machine by ``hybridrl.utils.native_build`` (the C compiler on the PATH, into
 ``$HYBRIDRL_KERNEL_CACHE``) and loaded with ctypes. Where there is no compiler, or the build fails, `load` returns None (the reason
@@ -98,7 +98,7 @@ class CpuKernels:
         lib.hr_dense_supported.argtypes, lib.hr_dense_supported.restype = [], _INT
         lib.hr_packed_floats.argtypes, lib.hr_packed_floats.restype = [_I64, _I64], _I64
         self._packed_floats = lib.hr_packed_floats  # the layout's size is the C side's to say
-        # the matmul kernel is written for AVX-512; builds without it leave decode matmuls to MKL
+        # the matmul kernel needs AVX-512 or AVX2 + FMA; builds without leave decode matmuls to torch
         self.dense_supported = bool(lib.hr_dense_supported())
 
     def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,

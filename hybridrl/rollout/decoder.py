@@ -208,7 +208,7 @@ class CompactDecoder:
         decode step multiplies a few dozen rows by every weight matrix, and plain ``mm`` reaches only
         about half the machine's matmul rate at that shape. Steps of up to DENSE_KERNEL_MAX_ROWS rows
         (DENSE_KERNEL_MAX_ROWS_ONEDNN where oneDNN is the CPU matmul backend) go through the fused
-        kernels' ``dense`` (AVX-512 builds): its packing fits any row count, and
+        kernels' ``dense`` (AVX-512 or AVX2 builds): its packing fits any row count, and
         it overlaps reading the weights with the arithmetic, which MKL's packed GEMM does not (SmolLM2
         at 32 rows, two threads: 35-54 vs 48-78 ms per step's matmuls). Larger steps, or no kernels:
         oneDNN's plain products where ``hybridrl.utils.cpu_matmul`` chose it (nothing packed), else

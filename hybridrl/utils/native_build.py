@@ -5,6 +5,11 @@ into ``$HYBRIDRL_KERNEL_CACHE`` (default ``~/.cache/hybridrl/kernels``), under a
 the source (with the local headers it includes), the flags, the compiler and the CPU, and loaded with ctypes. The machine's own
 instruction set is tried first (``-march=native``), then portable code. Used by the rollout's decode
 kernels (``hybridrl.rollout.cpu_kernels``) and the trainer's attention (``hybridrl.engine.cpu_attention``).
+
+The kernels have code for AVX-512 and for AVX2 + FMA (``hybridrl/utils/hr_simd.h``) and report
+themselves unsupported with neither. ``HYBRIDRL_KERNEL_ISA`` picks what a build may use: ``native``
+(the default: all the machine has), ``avx2`` (the machine's, AVX-512 left out: the AVX2 code on an
+AVX-512 machine, which is how the tests cover both there) or ``portable`` (no SIMD code: torch's ops).
 """
 
 from __future__ import annotations
@@ -19,14 +24,22 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["FLAGS", "build_library", "cache_dir", "source_bytes"]
+__all__ = ["FLAGS", "ISA_FLAGS", "build_library", "cache_dir", "isa_flags", "source_bytes"]
 
 # -ffast-math lets the compiler vectorise the sums and call the vector expf; contraction into fused
 # multiply-adds and reciprocal tricks are turned back off so products and divisions round as torch's do.
 FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fno-reciprocal-math", "-fopenmp", "-shared", "-fPIC"]
-NATIVE_FLAGS = ["-march=native"]
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "portable": []}
 LIBS = ["-lm"]
 VECTOR_MATH = ["-lmvec"]  # glibc's vector math (expf for 16 lanes); absent on other C libraries
+
+
+def isa_flags() -> list[str]:
+    """The instruction-set flags ``HYBRIDRL_KERNEL_ISA`` asks for (default ``native``)."""
+    isa = os.environ.get("HYBRIDRL_KERNEL_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise RuntimeError(f"HYBRIDRL_KERNEL_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return ISA_FLAGS[isa]
 
 
 def cache_dir() -> Path:
@@ -93,7 +106,8 @@ def build_library(source: Path, what: str) -> ctypes.CDLL:
     compiler, cpu = _compiler_id(cc), _cpu_id()
     errors = []
     # the machine's own instruction set first; then portable code; glibc's vector expf where present
-    for flags, libs in ((FLAGS + NATIVE_FLAGS, VECTOR_MATH + LIBS), (FLAGS + NATIVE_FLAGS, LIBS), (FLAGS, LIBS)):
+    native = isa_flags()
+    for flags, libs in ((FLAGS + native, VECTOR_MATH + LIBS), (FLAGS + native, LIBS), (FLAGS, LIBS)):
         key = hashlib.sha256(b"\0".join([code, " ".join(flags + libs).encode(), compiler.encode(),
                                          platform.machine().encode(), cpu.encode()])).hexdigest()[:20]
         target = cache_dir() / f"{Path(source).stem}_{key}.so"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hybridrl.engine import cpu_attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU attention kernels not built here (AVX-512)")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU attention kernels not built here (AVX-512 or AVX2 + FMA)")
 
 
 def _reference(q, k, v, mask, scale):

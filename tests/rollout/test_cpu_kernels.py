@@ -109,7 +109,7 @@ def test_decode_attention_reads_shared_prompts_from_their_store(kernels, heads, 
 @pytest.fixture(scope="module")
 def dense_kernels(kernels):
     if not kernels.dense_supported:
-        pytest.skip("the matmul kernel needs an AVX-512 build (this CPU or compiler has none)")
+        pytest.skip("the matmul kernel needs an AVX-512 or AVX2 + FMA build (this CPU or compiler has neither)")
     return kernels
 
 
