@@ -52,8 +52,32 @@ def test_silu_mul_matches_torch(kernels):
     assert (out[3:] == 0).all()
 
 
+def test_norm_and_activation_split_over_threads_give_one_threads_bits(kernels):
+    # 32 rows of SmolLM2's widths: above the size from which the rows are split over the threads
+    gen = torch.Generator().manual_seed(4)
+    hidden, x, weight = torch.randn(32, 576, generator=gen), torch.randn(32, 576, generator=gen), torch.rand(576) + 0.5
+    gate_up = torch.randn(32, 2 * 1536, generator=gen) * 4
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            h, out, act = hidden.clone(), torch.empty(32, 576), torch.empty(32, 1536)
+            kernels.add_rms_norm(h, x, weight, 1e-5, out, rows=30)
+            kernels.silu_mul(gate_up, act, rows=30)
+            results.append((h[:30], out[:30], act[:30]))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    gate, up = gate_up[:30].chunk(2, dim=-1)
+    torch.testing.assert_close(results[1][2], F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(results[1][1], torch.rms_norm(hidden[:30] + x[:30], (576,), weight, 1e-5),
+                               rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 1, 64), (10, 1, 64),
-                                                      (2, 2, 32), (4, 2, 128), (8, 1, 128)])
+                                                      (2, 2, 32), (4, 2, 32), (4, 2, 128), (8, 1, 128), (16, 2, 32)])
 def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     gen = torch.Generator().manual_seed(2)
     rows, max_rows, slots, slot = 3, 5, 12, 8
@@ -84,7 +108,7 @@ def test_decode_attention_matches_torch(kernels, heads, kv_heads, d):
     assert (out[rows:] == 0).all()
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 16), (10, 1, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 16), (4, 2, 32), (10, 1, 64)])
 def test_decode_attention_reads_shared_prompts_from_their_store(kernels, heads, kv_heads, d):
     # rows 0-1 sample prompt 1, rows 2-3 prompt 0 (4 slots each); slots from 4 on are each row's own
     gen = torch.Generator().manual_seed(3)
