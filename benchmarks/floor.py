@@ -25,8 +25,11 @@ cores: the floor is one rank's share, and the rate an MFU is measured against is
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -84,14 +87,46 @@ class ModelShape:
                    weight_bytes=4 * (layers + head), params=sum(p.numel() for p in model.parameters()))
 
 
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU a result was measured on: its name, family and model numbers, vector instructions and
+    CPU count, e.g. "AMD EPYC (family 25, model 17), AVX-512, 2 CPUs".
+
+    A virtual machine may name every EPYC generation "AMD EPYC", and the generations differ by up to
+    2.2x in one thread's fp32 matmul rate (Zen 3 64-87 GFLOP/s with AVX2, Zen 4 100-107 with AVX-512
+    on 256-bit units, Zen 5 210-240): the family and model numbers tell them apart, and the vector
+    instructions decide which of hybridrl's kernels run (docs/performance.md). ``cpuinfo``: the text
+    of /proc/cpuinfo (read when None; other systems get the platform's processor name)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    first = cpuinfo.split("\n\n")[0]
+    fields = {}
+    for line in first.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    flags = set(fields.get("flags", "").split())
+    if "avx512f" in flags:
+        isa = "AVX-512"
+    elif {"avx2", "fma"} <= flags:
+        isa = "AVX2 + FMA"
+    else:
+        isa = "no AVX2" if flags else ""
+    count = os.cpu_count() or 0
+    return ", ".join(part for part in (name, isa, f"{count} CPUs" if count else "") if part)
+
+
 @dataclass(frozen=True)
 class Machine:
     peak_flops: float  # fp32 matmul FLOP/s
     bandwidth: float  # memory read bytes/s
+    cpu: str = ""  # cpu_description()
 
     @classmethod
     def measure(cls) -> Machine:
-        return cls(measure_peak_flops(), measure_bandwidth())
+        return cls(measure_peak_flops(), measure_bandwidth(), cpu_description())
 
 
 def _attn_pairs(length: float) -> float:

