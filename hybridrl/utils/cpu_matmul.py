@@ -3,13 +3,15 @@
 torch runs an fp32 ``mm`` / ``F.linear`` on CPU through MKL's sgemm, which takes its fastest
 (AVX-512) code only on Intel processors. On an AMD EPYC with AVX-512 (a Zen 5 here) it runs the AVX2
 code at about half the machine's rate: on this project's Zen 5 machines 104-117 GFLOP/s on one
-thread, where oneDNN (bundled with torch, dispatching on the instruction set rather than the
-vendor) reaches 250-260 GFLOP/s on the same products, including the transposed ones of a backward
-pass. On an AVX2 machine (a Zen 3 here) the two tie on one product (MKL / oneDNN time 0.97-1.24
-over eight timings of the calibration product below), and a whole tiny-model GRPO step ran faster
-with oneDNN (1.22-1.27 vs 1.36-1.37 s, alternating): the training products go through hybridrl's
-ops below and the decoder's kernel takes steps of up to 128 rows. So oneDNN is the default, and MKL
-is kept only where it is clearly faster (a CPU where it runs at full rate).
+thread, where oneDNN (bundled with torch, dispatching on the instruction set rather than the vendor)
+reaches 250-260 GFLOP/s on the same products, including the transposed ones of a backward pass. On a
+Zen 4, whose AVX-512 runs on 256-bit units, the lead is smaller: 74-96 against MKL's 64-76 GFLOP/s
+on the tiny model's forward products (one thread). On an AVX2 machine (a Zen 3 here) the two tie on
+one product (MKL / oneDNN time 0.97-1.24 over eight timings of the calibration product below), and a
+whole tiny-model GRPO step ran faster with oneDNN (1.22-1.27 vs 1.36-1.37 s, alternating): the
+training products go through hybridrl's ops below and the decoder's kernel takes steps of up to 128
+rows. So oneDNN is the default, and MKL is kept only where it is clearly faster (a CPU where it runs
+at full rate).
 
 ``backend()`` decides once per process: ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces one;
 ``auto`` (the default) times both on one product and takes MKL only when it is at least
