@@ -6,7 +6,10 @@ hits both alike, and the median of `--reps` runs is reported. The same run measu
 fp32 matmul peak and memory read bandwidth, and reports the engine's achieved FLOP/s against the
 roofline: per forward call, max(FLOPs / peak, weight bytes / bandwidth), summed over the prefill
 and every decode step. FLOPs = 2 x (matmul parameters) per token + 4 x layers x heads x head_dim x
-context per token for attention (the lm_head only on positions that produce a token).
+context per token for attention (the lm_head only on positions that produce a token). Each rep also
+times the prefill alone (one new token, the prefill's own), so the table splits the engine's time into
+the prefill and the decode steps, each against its part of the roofline: the decode part, tokens
+after the first over the time after the prefill, is the rate a longer generation tends to.
 
     python benchmarks/rollout_bench.py                      # tiny + SmolLM2 (if preparable), 32 x 128
     python benchmarks/rollout_bench.py --models tiny --reps 3 --batch 32 --new-tokens 64
@@ -83,11 +86,15 @@ def bench_model(name, model, args, peak, bandwidth) -> dict:
     params = SamplingParams(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None)
     engine.generate_tensors(ids[:2], mask[:2], pos[:2], params.with_updates(max_new_tokens=4))  # warm up
     hf_generate(model, ids[:2], mask[:2], 4)
-    times = {"engine": [], "hf": []}
+    times = {"engine": [], "prefill": [], "hf": []}
     for rep in range(args.reps):
         start = time.perf_counter()
         ours = engine.generate_tensors(ids, mask, pos, params)["responses"]
         times["engine"].append(time.perf_counter() - start)
+        # the prefill alone: one new token is the prefill's own (roofline(..., 1) counts the same work)
+        start = time.perf_counter()
+        engine.generate_tensors(ids, mask, pos, params.with_updates(max_new_tokens=1))
+        times["prefill"].append(time.perf_counter() - start)
         start = time.perf_counter()
         theirs = hf_generate(model, ids, mask, args.new_tokens)
         times["hf"].append(time.perf_counter() - start)
@@ -95,7 +102,10 @@ def bench_model(name, model, args, peak, bandwidth) -> dict:
     engine.free_cache()
     shape = model_shape(model)
     flops, floor_s = roofline(shape, args.batch, args.prompt_len, args.new_tokens, peak, bandwidth)
+    _, prefill_floor_s = roofline(shape, args.batch, args.prompt_len, 1, peak, bandwidth)
     eng_s, hf_s = statistics.median(times["engine"]), statistics.median(times["hf"])
+    prefill_s = statistics.median(times["prefill"])
+    decode_s = max(eng_s - prefill_s, 1e-9)  # the decode steps after the prefill's token
     tokens = args.batch * args.new_tokens
     return {
         "model": name,
@@ -107,6 +117,10 @@ def bench_model(name, model, args, peak, bandwidth) -> dict:
         "peak_frac": flops / eng_s / peak,
         "roofline_frac": floor_s / eng_s,
         "roofline_tps": tokens / floor_s,
+        "prefill_s": prefill_s,
+        "prefill_roofline_frac": prefill_floor_s / prefill_s,
+        "decode_tps": args.batch * (args.new_tokens - 1) / decode_s,
+        "decode_roofline_frac": (floor_s - prefill_floor_s) / decode_s,
         "match": f"{int((ours == theirs).all(-1).sum())}/{args.batch}",
     }
 
@@ -147,12 +161,14 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
         f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, memory read "
         f"{bandwidth / 1e9:.1f} GB/s; load average at the end {os.getloadavg()[0]:.1f}.\n\n"
         "| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak "
-        "| roofline tok/s | % of roofline | greedy rows equal |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| roofline tok/s | % of roofline | prefill s (% of its roofline) | decode tok/s (% of its roofline) "
+        "| greedy rows equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['engine_tps']:.0f} | {r['hf_tps']:.0f} | {r['speedup']:.2f}x "
         f"| {r['engine_gflops']:.1f} | {100 * r['peak_frac']:.0f}% | {r['roofline_tps']:.0f} "
-        f"| {100 * r['roofline_frac']:.0f}% | {r['match']} |"
+        f"| {100 * r['roofline_frac']:.0f}% | {r['prefill_s']:.2f} ({100 * r['prefill_roofline_frac']:.0f}%) "
+        f"| {r['decode_tps']:.0f} ({100 * r['decode_roofline_frac']:.0f}%) | {r['match']} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"

@@ -60,3 +60,17 @@ def test_the_measured_machine_records_its_cpu(monkeypatch):
     monkeypatch.setattr(floor, "measure_bandwidth", lambda: 3e10)
     assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description())
     assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
+
+
+def test_rollout_roofline_of_one_new_token_is_the_prefill_alone():
+    from rollout_bench import roofline
+
+    shape = {"layer_params": 500_000, "head_params": 130_000, "attn_dim": 384, "weight_bytes": 2_520_000}
+    prefill_flops, prefill_s = roofline(shape, 32, 64, 1, 100e9, 30e9)
+    # 32 prompts of 64 tokens through the layers, the head on each prompt's last position, causal attention
+    assert prefill_flops == 32 * (2 * 500_000 * 64 + 2 * 130_000) + 32 * 4 * 384 * 64 * 65 / 2
+    assert prefill_s == max(prefill_flops / 100e9, 2_520_000 / 30e9)
+    flops, seconds = roofline(shape, 32, 64, 3, 100e9, 30e9)
+    steps = [32 * (2 * 630_000 + 4 * 384 * (64 + step)) for step in (1, 2)]  # the two decode steps
+    assert flops == pytest.approx(prefill_flops + sum(steps))
+    assert seconds == pytest.approx(prefill_s + sum(max(f / 100e9, 2_520_000 / 30e9) for f in steps))
