@@ -30,15 +30,16 @@
 
 #define MAX_GROUP 64 /* query heads per kv head handled on the stack */
 
-/* The norm and the activation split their rows over the threads from 8192 values on (32 SmolLM2
+/* The norm and the activation split their rows over the threads from this many values on (32 SmolLM2
  * rows are 18432 and 49152). With the earlier threshold of 65536, a 32-row decode step ran both on
  * one thread while the other waited; two threads on a Zen 4, per call: silu 21.9 -> 15.4 us and norm
  * 6.5 -> 5.3 us at SmolLM2's shapes, 28.2 -> 12.4 and 4.4 -> 3.7 us at the tiny model's 128 rows. */
+#define ROWWISE_SPLIT (1 << 13)
 
 /* hidden += x (when x is not NULL); out = weight * (hidden * 1 / sqrt(mean(hidden^2) + eps)) */
 void hr_add_rms_norm(float *hidden, const float *x, const float *weight, float *out, int64_t rows,
                      int64_t width, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (rows * width >= (1 << 13))
+#pragma omp parallel for num_threads(nthreads) if (rows * width >= ROWWISE_SPLIT)
     for (int64_t r = 0; r < rows; r++) {
         float *h = hidden + r * width;
         if (x) {
@@ -55,7 +56,7 @@ void hr_add_rms_norm(float *hidden, const float *x, const float *weight, float *
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i], silu(g) = g / (1 + exp(-g)) */
 void hr_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (rows * width >= (1 << 13))
+#pragma omp parallel for num_threads(nthreads) if (rows * width >= ROWWISE_SPLIT)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * width;
         const float *u = g + width;
