@@ -83,7 +83,7 @@ test-vllm: vllm-venv
 # HF generate, phase breakdown against the machine's floor; writes BENCHMARKS.md. trl 1.16 leaves
 # torch/transformers/accelerate/tokenizers as they are (pip --dry-run), so it goes into .venv.
 BENCH_THREADS ?= 1
-bench: venv
+bench: smollm2
 	$(VPY) -m pip install -q 'trl==1.16.0'
 	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case 25m --reps 2 --steps 4 --threads $(BENCH_THREADS)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,18 @@ class ModelShape:
                    weight_bytes=4 * (layers + head), params=sum(p.numel() for p in model.parameters()))
 
 
+def _cpu_fields(cpuinfo: str | None) -> dict[str, str]:
+    """The first core's ``key: value`` lines of /proc/cpuinfo (read when ``cpuinfo`` is None)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_description(cpuinfo: str | None = None) -> str:
     """The CPU a result was measured on: its name, family and model numbers, vector instructions and
     CPU count, e.g. "AMD EPYC (family 25, model 17), AVX-512, 2 CPUs".
@@ -96,14 +109,7 @@ def cpu_description(cpuinfo: str | None = None) -> str:
     on 256-bit units, Zen 5 210-240): the family and model numbers tell them apart, and the vector
     instructions decide which of hybridrl's kernels run (docs/performance.md). ``cpuinfo``: the text
     of /proc/cpuinfo (read when None; other systems get the platform's processor name)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    first = cpuinfo.split("\n\n")[0]
-    fields = {}
-    for line in first.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+    fields = _cpu_fields(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
@@ -116,6 +122,63 @@ def cpu_description(cpuinfo: str | None = None) -> str:
         isa = "no AVX2" if flags else ""
     count = os.cpu_count() or 0
     return ", ".join(part for part in (name, isa, f"{count} CPUs" if count else "") if part)
+
+
+# AMD's core generations by (family, model range), from AMD's processor programming references: the
+# families alone do not tell Zen 3 from Zen 4 (both 0x19), and they differ by 1.3-1.6x in one
+# thread's fp32 matmul rate. CPUs not listed get their numbers in the folder name instead.
+AMD_GENERATIONS = (
+    (0x17, range(0x00, 0x30), "zen1"), (0x17, range(0x30, 0x100), "zen2"),
+    (0x19, range(0x00, 0x10), "zen3"), (0x19, range(0x10, 0x20), "zen4"), (0x19, range(0x20, 0x60), "zen3"),
+    (0x19, range(0x60, 0x80), "zen4"), (0x19, range(0xA0, 0xB0), "zen4"),
+    (0x1A, range(0x00, 0x50), "zen5"), (0x1A, range(0x60, 0x80), "zen5"),
+)
+
+
+def machine_key(cpuinfo: str | None = None) -> str:
+    """The folder of ``benchmarks/results`` a machine's results go to: its core generation where it is
+    known (``zen4``), else the vendor, family and model (``intel-f6-m143``), else the architecture.
+    ``$HYBRIDRL_BENCH_MACHINE`` names it instead (a machine the numbers cannot tell apart)."""
+    if os.environ.get("HYBRIDRL_BENCH_MACHINE"):
+        return os.environ["HYBRIDRL_BENCH_MACHINE"]
+    fields = _cpu_fields(cpuinfo)
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return platform.machine().lower() or "unknown"
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id", ""), "cpu")
+    if vendor == "amd":
+        for fam, models, generation in AMD_GENERATIONS:
+            if family == fam and model in models:
+                return generation
+    return f"{vendor}-f{family}-m{model}"
+
+
+def provenance() -> str:
+    """When and from which code a result was measured: "2026-12-04 at 7411a43" (``+`` marks changes
+    to hybridrl/ or benchmarks/ not yet committed; no commit outside a git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return day
+    dirty = git("status", "--porcelain", "--", "hybridrl", "benchmarks/*.py")
+    return f"{day} at {commit}{'+' if dirty else ''}"
+
+
+def results_dir(root: Path | None = None) -> Path:
+    """Where this machine's benchmark results are written: ``benchmarks/results/<machine_key()>``, so
+    runs on different CPUs sit side by side instead of overwriting each other (``report.py`` puts
+    them next to each other in BENCHMARKS.md)."""
+    return (root or Path(__file__).resolve().parent / "results") / machine_key()
 
 
 @dataclass(frozen=True)

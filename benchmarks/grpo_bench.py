@@ -20,7 +20,7 @@ third). The median over all kept steps is reported. hybridrl runs in-process (``
 like TRL, unless ``--backend ray``. Token counts are the dataset's mean real prompt length plus R,
 times B, for both frameworks, so the throughput ratio is the step-time ratio.
 
-    python benchmarks/grpo_bench.py --case tiny            # one case -> benchmarks/results/grpo_tiny.json
+    python benchmarks/grpo_bench.py --case tiny            # one case -> benchmarks/results/<machine>/grpo_tiny.json
     python benchmarks/grpo_bench.py --case 25m --reps 2 --steps 4 --no-trl
 """
 
@@ -40,9 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import PHASES, WORKER_PHASES, Machine, ModelShape, step_floor  # noqa: E402
+from floor import PHASES, WORKER_PHASES, Machine, ModelShape, provenance, results_dir, step_floor  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
 
 
@@ -288,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     refs = {"both": (False, True), "on": (True,), "off": (False,)}[args.ref]
     rows = [bench_case(case, args, machine, with_ref) for with_ref in refs]
     record = {"machine": asdict(machine), "threads": torch.get_num_threads(), "load_avg_end": os.getloadavg()[0],
-              "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "rows": rows, "versions": versions()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"grpo_{args.case}{args.tag}.json"
+              "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "rows": rows, "versions": versions(),
+              "measured": provenance()}
+    out = results_dir() / f"grpo_{args.case}{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
     return 0

@@ -30,9 +30,13 @@ import torch
 from hybridrl.rollout import NativeRolloutEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import cpu_description, measure_bandwidth, measure_peak_flops  # noqa: E402  (one measurement for every benchmark)
-
-RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
+from floor import (  # noqa: E402  (one measurement for every benchmark)
+    cpu_description,
+    measure_bandwidth,
+    measure_peak_flops,
+    provenance,
+    results_dir,
+)
 
 
 def model_shape(model) -> dict:
@@ -157,7 +161,8 @@ def load_smollm2():
 def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
     head = (
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, "
-        f"fp32, {torch.get_num_threads()} threads, median of {args.reps} alternating runs, on {cpu_description()}.\n"
+        f"fp32, {torch.get_num_threads()} threads, median of {args.reps} alternating runs, on {cpu_description()}"
+        f" ({provenance()}).\n"
         f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, memory read "
         f"{bandwidth / 1e9:.1f} GB/s; load average at the end {os.getloadavg()[0]:.1f}.\n\n"
         "| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak "
@@ -182,12 +187,12 @@ def rollout_parser(doc: str, new_tokens: int, out: Path) -> argparse.ArgumentPar
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--out", type=Path, default=out, help="default: this machine's folder of benchmarks/results")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = rollout_parser(__doc__, new_tokens=128, out=RESULTS)
+    parser = rollout_parser(__doc__, new_tokens=128, out=results_dir() / "rollout.md")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:

