@@ -170,7 +170,8 @@ def provenance() -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return day
-    dirty = git("status", "--porcelain", "--", "hybridrl", "benchmarks/*.py")
+    # what is measured: hybridrl and the benchmark scripts (not report.py, which only reads results)
+    dirty = git("status", "--porcelain", "--", "hybridrl", "benchmarks/*.py", ":!benchmarks/report.py")
     return f"{day} at {commit}{'+' if dirty else ''}"
 
 

