@@ -156,7 +156,7 @@ def machine_key(cpuinfo: str | None = None) -> str:
 
 def provenance() -> str:
     """When and from which code a result was measured: "2026-12-04 at 7411a43" (``+`` marks changes
-    to hybridrl/ or benchmarks/ not yet committed; no commit outside a git checkout)."""
+    to hybridrl/ or the measuring scripts not yet committed; no commit outside a git checkout)."""
     root = Path(__file__).resolve().parent.parent
     day = time.strftime("%Y-%m-%d", time.gmtime())
 
