@@ -15,6 +15,8 @@ and refuses further calls: an SPMD group with a failed rank cannot continue.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -29,6 +31,7 @@ __all__ = ["RemoteMethod", "RoleProxy", "WorkerFuture", "WorkerGroup"]
 
 BACKENDS = ("ray", "local")
 DEFAULT_ROLE = "worker"
+BUSY_RECORDS = 4096  # finished calls ``WorkerGroup.busy_since`` can look back over
 
 
 class Backend(Protocol):
@@ -53,7 +56,7 @@ class WorkerFuture:
         if not self._done:
             timed = self._group._wait(self._handle, self._role, self._method)
             # the ranks run concurrently: the call kept the group busy as long as its slowest rank
-            self._group.busy_s += max((seconds for _, seconds in timed), default=0.0)
+            self._group._count_busy(max((seconds for _, seconds in timed), default=0.0))
             self._value, self._done = collect_results(self._plan, [result for result, _ in timed]), True
         return self._value
 
@@ -128,6 +131,9 @@ class WorkerGroup:
         # calls: the driver's wall time minus this is time outside every worker (dispatch,
         # transfer, (de)serialization, the driver's own work)
         self.busy_s = 0.0
+        # (driver clock when the results arrived, the slowest rank's seconds) of the latest calls,
+        # for ``busy_since``
+        self._finished: deque[tuple[float, float]] = deque(maxlen=BUSY_RECORDS)
         self._closed = False
         self._backend = _make_backend(backend, pool, self.roles, dict(env or {}), name)
         self.world_size = self._backend.world_size
@@ -187,6 +193,19 @@ class WorkerGroup:
             self._failure = err.headline()
             self.shutdown()
             raise
+
+    def _count_busy(self, seconds: float) -> None:
+        self.busy_s += seconds
+        self._finished.append((time.perf_counter(), seconds))
+
+    def busy_since(self, start: float) -> float:
+        """Seconds the ranks spent running calls since ``start`` (a ``time.perf_counter()`` of this
+        process): each call collected since then, for its slowest rank, counting only the part that
+        can have run after ``start``. A call sent before ``start`` (a generation sent behind the
+        previous step's update) counts at most from ``start`` to when its results arrived, so the
+        sum never exceeds the wall time of calls that run one after another. Looks back over the
+        latest ``BUSY_RECORDS`` calls."""
+        return sum(min(seconds, done - start) for done, seconds in self._finished if done > start)
 
     def _check_open(self) -> None:
         if self._failure is not None:

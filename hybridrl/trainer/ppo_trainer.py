@@ -158,7 +158,6 @@ class PPOTrainer:
     def train_step(self) -> dict[str, float]:
         timer = Timer()
         metrics: dict[str, float] = {}
-        busy_before = getattr(self.workers, "busy_s", None)
         start = time.perf_counter()
         with timer("step"):
             batch = self.collect_batch(timer, metrics)
@@ -187,11 +186,12 @@ class PPOTrainer:
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, dict(timer.timing)))
         metrics.update(compute_throughput_metrics(batch, time.perf_counter() - start, self.workers.world_size))
-        if busy_before is not None:
-            # time the worker group spent running this step's calls (each call: its slowest rank); the
+        if hasattr(self.workers, "busy_since"):
+            # time the worker group spent running this step's calls (each call: its slowest rank; a
+            # generation sent behind the previous step's update only from this step's start); the
             # step minus this is the controller's share: dispatch, transfers, (de)serialization and
             # the driver's own work (advantages, metrics, and rewards scored in the driver)
-            metrics["perf/time_in_workers"] = self.workers.busy_s - busy_before
+            metrics["perf/time_in_workers"] = self.workers.busy_since(start)
         metrics["training/global_step"] = float(self.global_step)
         metrics["training/epoch"] = float(self.epoch)
         return metrics

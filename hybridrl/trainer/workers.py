@@ -47,6 +47,10 @@ class PPOWorkers:
         """Seconds the ranks have spent running calls so far (see ``WorkerGroup.busy_s``)."""
         return self.group.busy_s
 
+    def busy_since(self, start: float) -> float:
+        """Seconds the ranks spent running calls since ``start`` (see ``WorkerGroup.busy_since``)."""
+        return self.group.busy_since(start)
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.submit("generate_sequences", prompts)()
 

@@ -33,6 +33,7 @@ def test_local_busy_time_is_the_methods_own_time():
     wg.sleep_by_rank(0.2)
     wall = time.perf_counter() - start
     assert 0.2 <= wg.busy_s <= wall
+    assert wg.busy_since(start) == wg.busy_s and wg.busy_since(time.perf_counter()) == 0.0
 
 
 def test_local_colocated_roles_share_objects():

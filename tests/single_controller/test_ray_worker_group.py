@@ -110,6 +110,18 @@ def test_busy_time_counts_each_call_once_for_its_slowest_rank(colocated):
     assert colocated.busy_s - before >= 0.8
 
 
+def test_busy_since_counts_a_call_sent_earlier_only_from_then(colocated):
+    before = colocated.busy_s
+    future = colocated.actor.slow_rank(0.6)  # runs while the driver goes on, like an early generation
+    time.sleep(0.4)
+    start = time.perf_counter()
+    assert future.get() == [0, 1]
+    wall = time.perf_counter() - start
+    assert colocated.busy_s - before >= 0.6  # the running total counts the whole call
+    assert colocated.busy_since(start) <= wall  # a window counts only what can have run inside it
+    assert colocated.busy_since(start - 1.0) >= 0.6
+
+
 def test_colocated_roles_share_one_process(colocated):
     actor_pids = [i["pid"] for i in colocated.actor.info()]
     assert colocated.ref.pid() == actor_pids == colocated.worker_pids()
