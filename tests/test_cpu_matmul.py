@@ -24,11 +24,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert float((a - b).detach().abs().max() / scale) < 2e-5
 
 
+@pytest.fixture(params=["onednn", "mkl"])
+def weight_grads(request, monkeypatch):
+    """Each test below with the weight gradients on each backend (``weight_grad_backend``)."""
+    monkeypatch.setattr(cpu_matmul, "_weight_grad_choice", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,out", [((7, 33), 48), ((2, 9, 64), 48), ((3, 1, 128), 48), ((5, 16), 1),
                                        ((0, 16), 8), ((2, 0, 16), 8), ((3, 20000), 5), ((4, 7), 20000),
                                        ((400, 20000), 200), ((400, 200), 20000)])
-def test_forward_and_gradients_match_nn_linear(shape, out, bias):
+def test_forward_and_gradients_match_nn_linear(shape, out, bias, weight_grads):
     # a value head's single output, empty batches (the weight gradient sums nothing), and sums
     # longer than LONG_SUM (in the forward of 20000 inputs, in the input gradient of 20000 outputs),
     # which run in chunks where the output is large enough (the last two)
@@ -58,7 +65,7 @@ def test_forward_and_gradients_match_nn_linear(shape, out, bias):
     (1100, 40, 64, "transposed grad"),
     (50, 300, 700, "transposed grad"),  # few rows
 ])
-def test_each_weight_gradient_product_matches_float64(rows, inner, out, plan, bias):
+def test_each_weight_gradient_product_matches_float64(rows, inner, out, plan, bias, weight_grads):
     assert cpu_matmul.weight_grad_plan(out, inner) == plan
     gen = torch.Generator().manual_seed(rows + inner + out)
     x, grad, weight = torch.randn(rows, inner, generator=gen), torch.randn(rows, out, generator=gen), torch.empty(out, inner)
@@ -82,7 +89,7 @@ def test_weight_gradient_plans_of_the_benchmark_shapes():
     assert plan(8320, 128, 384) == plan(4144, 512, 1536) == plan(4144, 1536, 512) == "transposed grad"
 
 
-def test_strided_views_and_compile():
+def test_strided_views_and_compile(weight_grads):
     """The last position of each sequence (rows with gaps between them) and a compiled caller."""
     torch.manual_seed(1)
     ref = nn.Linear(64, 40)
@@ -132,6 +139,37 @@ def test_backend_choice(value):
     assert result.returncode == 0, result.stderr
     chosen = result.stdout.strip()
     assert chosen == value if value != "auto" else chosen in ("mkl", "onednn")
+
+
+def _weight_grad_backend_in_subprocess(value: str) -> str:
+    code = ("import torch; from hybridrl.utils import cpu_matmul; "
+            "print(cpu_matmul.backend(), cpu_matmul.weight_grad_backend())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "HYBRIDRL_CPU_MATMUL": value}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("value", ["mkl", "onednn", "auto"])
+def test_weight_gradient_backend_choice(value):
+    """The variable forces the weight gradients' backend too; ``auto`` keeps MKL's where MKL is the
+    backend and otherwise times the two on a gradient (either may win, by the machine)."""
+    chosen, weight_grads = _weight_grad_backend_in_subprocess(value)
+    if value != "auto":
+        assert chosen == weight_grads == value
+    else:
+        assert weight_grads == "mkl" if chosen == "mkl" else weight_grads in ("mkl", "onednn")
+
+
+def test_weight_gradient_calibration_takes_mkl_only_when_clearly_faster(monkeypatch):
+    """The timing's rule, with the products' times given: MKL at WEIGHT_GRAD_MIN_SPEEDUP or more
+    faster wins, a smaller lead keeps oneDNN (a near tie does not flip from one process to the next)."""
+    for mkl_s, dnn_s, want in ((1.0, 2.0, "mkl"), (1.0, cpu_matmul.WEIGHT_GRAD_MIN_SPEEDUP, "mkl"),
+                               (1.0, 1.2, "onednn"), (2.0, 1.0, "onednn")):
+        times = iter([mkl_s, dnn_s] * 3)
+        monkeypatch.setattr(cpu_matmul, "_seconds", lambda fn, times=times: (fn(), next(times))[1])
+        monkeypatch.setattr(cpu_matmul, "WEIGHT_GRAD_CALIBRATION_SHAPE", (32, 64, 16))
+        assert cpu_matmul._calibrate_weight_grad() == want
 
 
 def test_bad_backend_names_the_variable():

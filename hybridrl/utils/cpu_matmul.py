@@ -16,7 +16,10 @@ at full rate).
 ``backend()`` decides once per process: ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces one;
 ``auto`` (the default) times both on one product and takes MKL only when it is at least
 ``MIN_SPEEDUP`` faster (a threshold on one side: where the two tie, a timing's noise does not flip the
-choice from one process to the next). Where oneDNN is chosen:
+choice from one process to the next). The weight gradients of the training products have a choice of
+their own (``weight_grad_backend()``, the same variable, timed on a gradient the first time one is
+needed), since where MKL runs at the machine's full rate its products on a transposed operand can
+beat oneDNN's by 1.5-2x while the forward products tie. Where oneDNN is chosen:
 
 - ``use_onednn_linears(model)`` turns a model's fp32 CPU ``nn.Linear`` modules into
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward and
@@ -38,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears", "uses_onednn"]
+__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears", "uses_onednn",
+           "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto keeps MKL only when it is at least this much faster than oneDNN
@@ -99,30 +103,44 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def _calibrate(reps: int = 5) -> str:
-    """"mkl" if MKL's product is at least MIN_SPEEDUP faster than oneDNN's here, else "onednn". The
-    two alternate and each keeps its best time, so a busy moment of the machine (other ranks starting
-    up beside this one) falls on both."""
-    rows, k, out = CALIBRATION_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(rows, k, generator=gen), torch.randn(out, k, generator=gen)
-    mkl, dnn = (lambda: F.linear(x, weight)), (lambda: _onednn(x, weight, None))
+def _faster(mkl, dnn, min_speedup: float, reps: int) -> str:
+    """"mkl" if ``mkl()`` runs at least ``min_speedup`` faster than ``dnn()``, else "onednn". The two
+    alternate and each keeps its best time, so a busy moment of the machine (other ranks starting up
+    beside this one) falls on both."""
     mkl(), dnn()
     mkl_s = dnn_s = float("inf")
     for _ in range(reps):
         mkl_s, dnn_s = min(mkl_s, _seconds(mkl)), min(dnn_s, _seconds(dnn))
-    return "mkl" if mkl_s * MIN_SPEEDUP <= dnn_s else "onednn"
+    return "mkl" if mkl_s * min_speedup <= dnn_s else "onednn"
+
+
+def _randn(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=gen) for shape in shapes]
+
+
+def _calibrate(reps: int = 5) -> str:
+    """"mkl" if MKL's product is at least MIN_SPEEDUP faster than oneDNN's here, else "onednn"."""
+    rows, k, out = CALIBRATION_SHAPE
+    x, weight = _randn((rows, k), (out, k))
+    return _faster(lambda: F.linear(x, weight), lambda: _onednn(x, weight, None), MIN_SPEEDUP, reps)
+
+
+def _requested() -> str:
+    """``HYBRIDRL_CPU_MATMUL``: "auto", "mkl" or "onednn" (checked)."""
+    wanted = os.environ.get("HYBRIDRL_CPU_MATMUL", "auto").strip().lower()
+    if wanted not in BACKENDS:
+        raise ValueError(f"HYBRIDRL_CPU_MATMUL={wanted!r}; allowed: {BACKENDS}")
+    if wanted == "onednn" and not onednn_available():
+        raise ValueError("HYBRIDRL_CPU_MATMUL=onednn but this torch has no oneDNN (torch.backends.mkldnn)")
+    return wanted
 
 
 def backend() -> str:
     """"onednn" or "mkl": the CPU fp32 matmul backend of this process (see the module docstring)."""
     global _choice
     if _choice is None:
-        wanted = os.environ.get("HYBRIDRL_CPU_MATMUL", "auto").strip().lower()
-        if wanted not in BACKENDS:
-            raise ValueError(f"HYBRIDRL_CPU_MATMUL={wanted!r}; allowed: {BACKENDS}")
-        if wanted == "onednn" and not onednn_available():
-            raise ValueError("HYBRIDRL_CPU_MATMUL=onednn but this torch has no oneDNN (torch.backends.mkldnn)")
+        wanted = _requested()
         if wanted == "auto":
             wanted = _calibrate() if onednn_available() else "mkl"
         _choice = wanted
@@ -182,6 +200,53 @@ def _(x, weight, bias):
 # twice as wide (the smaller copy), else the transposed grad.
 WEIGHT_GRAD_NARROW_INPUT = 256
 
+# Where MKL runs at the machine's full rate (a Zen 1 EPYC here: its AVX2 code on 128-bit units, the
+# forward products tie with oneDNN's), its sgemm reads a transposed operand in place while oneDNN
+# runs slowly on one: grad^T x one by one, one thread, GFLOP/s by the plans above / MKL (``grad.t() @
+# x``), best of 7 alternating: the 25M model's down projection (4144 rows, in 1536) 15.7 / 34.6, its
+# q 30.4 / 33.9; SmolLM2's down (656 rows) 20.8 / 32.8, its q 26.6 / 32.3; the tiny model's q (8320
+# rows) 16.7 / 21.2, its LM head 27.1 / 28.2. A 25M update alternating in one shell: 27.5 -> 23.4 s
+# (medians of 4 steps). On a Zen 5 oneDNN leads by 1.5-2x instead, so the choice is timed: MKL for
+# the weight gradients only where it is at least WEIGHT_GRAD_MIN_SPEEDUP faster on a down
+# projection's gradient of 1024 rows, the shape where the two differ most (1.6-2.0x on the Zen 1 over
+# eight processes at one and two threads; 512 rows read 1.3-1.7x, too close to the threshold, and the
+# smaller shapes 1.1-1.3x), with a wider margin than the forward's so that a machine near a tie keeps
+# oneDNN from one process to the next. The timing costs 0.5-0.9 s once per training process there.
+WEIGHT_GRAD_CALIBRATION_SHAPE = (1024, 1536, 512)  # rows, in, out
+WEIGHT_GRAD_MIN_SPEEDUP = 1.3
+_weight_grad_choice: str | None = None
+
+
+def _onednn_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad^T x through oneDNN, by the product ``weight_grad_plan`` picks for the shape."""
+    from hybridrl.engine.cpu_attention import transposed  # here: hybridrl.engine imports this module
+
+    if weight_grad_plan(grad.shape[1], x.shape[1]) == "transposed x":
+        # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
+        return transposed(_onednn(transposed(x), grad.t(), None))
+    return _onednn(transposed(grad), x.t(), None)  # grad^T (out, m) @ x: the inner product reads x^T in place
+
+
+def _calibrate_weight_grad(reps: int = 3) -> str:
+    """"mkl" if MKL's grad^T x is at least WEIGHT_GRAD_MIN_SPEEDUP faster than oneDNN's at the
+    calibration shape, else "onednn" (alternating, best of each, as ``_calibrate``)."""
+    rows, k, out = WEIGHT_GRAD_CALIBRATION_SHAPE
+    x, grad = _randn((rows, k), (rows, out))
+    return _faster(lambda: torch.mm(grad.t(), x), lambda: _onednn_weight_grad(grad, x), WEIGHT_GRAD_MIN_SPEEDUP, reps)
+
+
+def weight_grad_backend() -> str:
+    """"onednn" or "mkl": the product of ``OneDNNLinear``'s weight gradients in this process.
+    ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces it too; ``auto`` keeps MKL's where MKL is the
+    backend, and otherwise times both once, on first use (see above)."""
+    global _weight_grad_choice
+    if _weight_grad_choice is None:
+        wanted = _requested()
+        if wanted == "auto":
+            wanted = "mkl" if backend() == "mkl" else _calibrate_weight_grad()
+        _weight_grad_choice = wanted
+    return _weight_grad_choice
+
 
 def weight_grad_plan(out: int, inner: int) -> str:
     """How ``_weight_grad_op`` computes the weight gradient of a linear (inner -> out), whatever its
@@ -195,16 +260,13 @@ def weight_grad_plan(out: int, inner: int) -> str:
 def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad^T x, grad summed over rows, or an empty tensor without ``with_bias``) for grad (m, out),
-    x (m, in), by the product ``weight_grad_plan`` picks for the shape."""
+    x (m, in): through MKL where ``weight_grad_backend()`` chose it, else oneDNN's ``weight_grad_plan``."""
     if grad.shape[0] == 0:
         return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
-    from hybridrl.engine.cpu_attention import transposed  # here: hybridrl.engine imports this module
-
-    if weight_grad_plan(grad.shape[1], x.shape[1]) == "transposed x":
-        # (in, m) @ grad -> (in, out), transposed back (a copy of in x out)
-        grad_w = transposed(_onednn(transposed(x), grad.t(), None))
-    else:  # grad^T (out, m) @ x: the inner product reads x^T in place
-        grad_w = _onednn(transposed(grad), x.t(), None)
+    if weight_grad_backend() == "mkl":  # MKL's sgemm reads grad^T in place
+        grad_w = torch.mm(grad.t(), x)
+    else:
+        grad_w = _onednn_weight_grad(grad, x)
     return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
 
 

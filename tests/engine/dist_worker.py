@@ -93,6 +93,7 @@ def run(out: Path, rank: int, world: int) -> dict:
         "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
         "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
         "matmul_backend": cpu_matmul.backend(),
+        "weight_grad_backend": cpu_matmul.weight_grad_backend(),
         "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
     }
 

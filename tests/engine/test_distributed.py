@@ -30,10 +30,10 @@ BACKENDS = ["mkl", "onednn"] if cpu_matmul.onednn_available() else ["mkl"]
 def backend(request):
     """Every test below runs with each CPU matmul backend (hybridrl.utils.cpu_matmul), whichever one
     this machine would pick: the ranks get it through HYBRIDRL_CPU_MATMUL, this process directly."""
-    saved = cpu_matmul._choice
-    cpu_matmul._choice = request.param
+    saved = cpu_matmul._choice, cpu_matmul._weight_grad_choice
+    cpu_matmul._choice = cpu_matmul._weight_grad_choice = request.param  # as the variable sets both
     yield request.param
-    cpu_matmul._choice = saved
+    cpu_matmul._choice, cpu_matmul._weight_grad_choice = saved
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def single(backend):
 def test_ranks_run_the_chosen_matmul_backend(two_ranks, backend):
     ranks, _ = two_ranks
     for res in ranks:
-        assert res["matmul_backend"] == backend
+        assert res["matmul_backend"] == res["weight_grad_backend"] == backend
         assert (res["onednn_linears"] > 0) == (backend == "onednn")
 
 
