@@ -189,8 +189,8 @@ class Machine:
     cpu: str = ""  # cpu_description()
 
     @classmethod
-    def measure(cls) -> Machine:
-        return cls(measure_peak_flops(), measure_bandwidth(), cpu_description())
+    def measure(cls, peak_reps: int = 20) -> Machine:
+        return cls(measure_peak_flops(reps=peak_reps), measure_bandwidth(), cpu_description())
 
 
 def _attn_pairs(length: float) -> float:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import PHASES, WORKER_PHASES, Machine, ModelShape, provenance, results_dir, step_floor  # noqa: E402
 
 LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
+RATE_REPS = 10  # square matmuls per backend in each measurement before a run (the file's first: 20)
 
 
 @dataclass(frozen=True)
@@ -227,26 +228,39 @@ def floor_ranks(args) -> int:
     return args.workers if args.backend == "ray" else 1
 
 
-def bench_case(case: Case, args, machine: Machine, with_ref: bool) -> dict:
+def machine_during(samples: list[Machine]) -> Machine:
+    """The machine's rates over a row's runs: the median of the measurements taken before each run.
+    A shared machine's speed drifts (a Zen 1 here read 43.7 GFLOP/s at the start of `make bench` and
+    35.9 an hour later), so a floor from one measurement at the start of a file would be off by as
+    much for the rows run later."""
+    return Machine(statistics.median(m.peak_flops for m in samples), statistics.median(m.bandwidth for m in samples),
+                   samples[0].cpu)
+
+
+def bench_case(case: Case, args, with_ref: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     assets = prepare_assets(case, Path(args.work))
     shape = ModelShape.of(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32))
     p = mean_prompt_tokens(assets["model"], assets["train"])
-    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref,
-                       with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
     tokens = case.n * case.g * (p + case.r)
     hyb: list[dict] = []
     trl: list[float] = []
+    samples: list[Machine] = []
     for rep in range(args.reps):
+        samples.append(Machine.measure(peak_reps=RATE_REPS))
         hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
                             args.compile == "on", tuple(args.override))[args.warmup:]
         if not args.no_trl:
             trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
+    machine = machine_during(samples)
+    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref,
+                       with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
     result = summarize(case, hyb, trl, tokens, floor)
-    result.update(case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
+    result.update(machine=asdict(machine), peak_samples=[m.peak_flops for m in samples],
+                  case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
                   tokens_per_step=tokens, floor_s=floor["total_s"], floor_ranks=floor["ranks"],
                   floor_peak_flops=floor["peak_flops"], overrides=args.override, backend=args.backend, workers=args.workers,
                   hybridrl_compile=args.compile == "on", trl_compile=args.trl_compile == "on")
@@ -285,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     machine = Machine.measure()
     refs = {"both": (False, True), "on": (True,), "off": (False,)}[args.ref]
-    rows = [bench_case(case, args, machine, with_ref) for with_ref in refs]
+    rows = [bench_case(case, args, with_ref) for with_ref in refs]
     record = {"machine": asdict(machine), "threads": torch.get_num_threads(), "load_avg_end": os.getloadavg()[0],
               "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "rows": rows, "versions": versions(),
               "measured": provenance()}

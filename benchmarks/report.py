@@ -296,7 +296,9 @@ def machine_line(m: MachineResults) -> str:
     if not m.rows:
         return f"| {m.key} | {m.cpu} | - | - | - | - | rollout only |"
     records = list({id(r["record"]): r["record"] for r in m.rows}.values())
-    peaks = [rec["machine"]["peak_flops"] / 1e9 for rec in records]
+    # each file's first measurement and, since 2026-12-05, the ones before each run of a row
+    peaks = [rec["machine"]["peak_flops"] / 1e9 for rec in records] + [
+        peak / 1e9 for r in m.rows for peak in r.get("peak_samples", [])]
     bandwidths = [rec["machine"]["bandwidth"] / 1e9 for rec in records]
     threads = sorted({rec["threads"] for rec in records})
     measured = sorted({rec.get("measured", "-") for rec in records})

@@ -56,9 +56,17 @@ def test_cpu_description_names_the_generation_numbers_and_vector_instructions(mo
 def test_the_measured_machine_records_its_cpu(monkeypatch):
     import floor
 
-    monkeypatch.setattr(floor, "measure_peak_flops", lambda: 1e11)  # the rates are measured elsewhere
+    reps = []
+
+    def peak(reps_each: int = 20, **kwargs) -> float:  # the rates are measured elsewhere
+        reps.append(kwargs.get("reps", reps_each))
+        return 1e11
+
+    monkeypatch.setattr(floor, "measure_peak_flops", peak)
     monkeypatch.setattr(floor, "measure_bandwidth", lambda: 3e10)
     assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description())
+    Machine.measure(peak_reps=10)
+    assert reps == [20, 10]
     assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
 
 
@@ -99,3 +107,14 @@ def test_results_go_to_the_machine_s_own_folder(monkeypatch, tmp_path):
     day, _, commit = provenance().partition(" at ")
     assert len(day) == 10 and day[4] == day[7] == "-"
     assert len(commit.rstrip("+")) >= 7  # the checkout's commit (tests run in a git clone)
+
+
+def test_a_row_is_held_to_the_machine_s_rates_during_its_runs():
+    """grpo_bench measures the machine before each run of a row and its floor takes the medians: a
+    shared machine's speed drifts by a fifth within an hour, and one measurement at the start of a
+    file held the rows run later to a floor that far off."""
+    import grpo_bench
+
+    samples = [Machine(43.7e9, 16.9e9, "cpu"), Machine(35.9e9, 12.6e9, "cpu"), Machine(40e9, 14e9, "cpu")]
+    assert grpo_bench.machine_during(samples) == Machine(40e9, 14e9, "cpu")
+    assert grpo_bench.machine_during(samples[:2]).peak_flops == pytest.approx(39.8e9)
