@@ -13,9 +13,16 @@ import torch
 from hybridrl.engine.distributed import free_port
 
 
+# A rank's whole run, generous: on a 2-core Zen 1 with an empty inductor cache (a clean CI machine),
+# dist_worker.py's compiled blocks alone take about 270 s to build (both ranks compile at once, and
+# every block compiles for batch size 1 and 2+, with and without grad). A collective that hangs fails
+# much sooner: the ranks' process group times out after 120 s (helpers.rank_main).
+RANK_TIMEOUT_S = 600
+
+
 def launch_ranks(argv: list[str], log_dir: Path, world: int = 2, **env_extra: str) -> None:
     """Run ``python *argv`` as ranks 0 .. world - 1, logging to ``log_dir/rank<r>.log``. A rank that
-    fails or runs past 240 s fails the caller with the end of its log."""
+    fails or runs past ``RANK_TIMEOUT_S`` fails the caller with the end of its log."""
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env_extra)
     procs = []
@@ -25,7 +32,7 @@ def launch_ranks(argv: list[str], log_dir: Path, world: int = 2, **env_extra: st
                                        stdout=log, stderr=subprocess.STDOUT), log))
     for proc, log in procs:
         try:
-            proc.wait(timeout=240)
+            proc.wait(timeout=RANK_TIMEOUT_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
