@@ -12,7 +12,6 @@ import torch
 
 from hybridrl.engine.distributed import free_port
 
-
 # A rank's whole run, generous: on a 2-core Zen 1 with an empty inductor cache (a clean CI machine),
 # dist_worker.py's compiled blocks alone take about 270 s to build (both ranks compile at once, and
 # every block compiles for batch size 1 and 2+, with and without grad). A collective that hangs fails
