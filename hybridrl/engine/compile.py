@@ -9,9 +9,12 @@ same losses to 1e-6 relative.
 
 Compiling every block of a model costs one compilation, not one per block: the blocks share their
 forward code, and ``dynamic=True`` makes sequence length and batch size symbolic from the start,
-so micro-batches of any shape reuse the graph. Training and no-grad forwards (log-probs) are one
-graph each. The first call pays the compilation (15-30 s per process on 2 cores for Qwen2/Llama
-blocks; inductor's on-disk cache makes later processes faster).
+so micro-batches of any shape reuse the graph, except that a micro-batch of one row gets graphs
+of its own (torch specializes sizes 0 and 1; ``backed_size_oblivious``, which would not, failed a
+compiled backward's stride assertion in torch 2.13). Training and no-grad forwards (log-probs) are
+one graph each. The first call pays the compilation (15-30 s per process on 2 cores for Qwen2/Llama
+blocks, 40-60 s on a Zen 1 with its one-row graphs; inductor's on-disk cache makes later processes
+faster).
 
 Only ``forward`` is replaced, so module hooks (FSDP2's parameter gathers, activation
 checkpointing) stay eager around the compiled body.
