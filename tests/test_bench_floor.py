@@ -56,17 +56,17 @@ def test_cpu_description_names_the_generation_numbers_and_vector_instructions(mo
 def test_the_measured_machine_records_its_cpu(monkeypatch):
     import floor
 
-    reps = []
+    reps_seen = []
 
-    def peak(reps_each: int = 20, **kwargs) -> float:  # the rates are measured elsewhere
-        reps.append(kwargs.get("reps", reps_each))
+    def peak(reps: int = 20) -> float:  # the rates are measured elsewhere
+        reps_seen.append(reps)
         return 1e11
 
     monkeypatch.setattr(floor, "measure_peak_flops", peak)
     monkeypatch.setattr(floor, "measure_bandwidth", lambda: 3e10)
     assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description())
     Machine.measure(peak_reps=10)
-    assert reps == [20, 10]
+    assert reps_seen == [20, 10]
     assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
 
 
