@@ -89,13 +89,27 @@ def test_weight_gradient_plans_of_the_benchmark_shapes():
     assert plan(8320, 128, 384) == plan(4144, 512, 1536) == plan(4144, 1536, 512) == "transposed grad"
 
 
-def test_strided_views_and_compile(weight_grads):
-    """The last position of each sequence (rows with gaps between them) and a compiled caller."""
+@pytest.mark.parametrize("inner", [16, 512, 513, 1536])
+def test_input_gradient_product_matches_float64_on_its_backend(inner, weight_grads):
+    # MKL takes the input gradients wider than INPUT_GRAD_MKL_WIDTH only where it took the weight gradients
+    wide = inner > cpu_matmul.INPUT_GRAD_MKL_WIDTH
+    assert cpu_matmul.input_grad_backend(inner) == ("mkl" if wide and weight_grads == "mkl" else "onednn")
+    gen = torch.Generator().manual_seed(inner)
+    grad, weight = torch.randn(70, 96, generator=gen), torch.randn(96, inner, generator=gen)
+    grad_x = cpu_matmul._input_grad_op(grad, weight)
+    _close(grad_x, (grad.double() @ weight.double()).float())
+    assert grad_x.shape == (70, inner)
+
+
+@pytest.mark.parametrize("inner", [64, 600])
+def test_strided_views_and_compile(inner, weight_grads):
+    """The last position of each sequence (rows with gaps between them) and a compiled caller, with
+    an input narrow and wide enough for each input-gradient backend."""
     torch.manual_seed(1)
-    ref = nn.Linear(64, 40)
+    ref = nn.Linear(inner, 40)
     dnn = copy.deepcopy(ref)
     use_onednn_linears(dnn, force=True)
-    hidden = torch.randn(4, 9, 64)
+    hidden = torch.randn(4, 9, inner)
 
     def head(module, h):
         return module(h[:, -1]).square().sum()

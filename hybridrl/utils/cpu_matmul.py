@@ -24,8 +24,9 @@ beat oneDNN's by 1.5-2x while the forward products tie. Where oneDNN is chosen:
 - ``use_onednn_linears(model)`` turns a model's fp32 CPU ``nn.Linear`` modules into
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward and
   backward (input and weight gradients) run as oneDNN products through the custom op
-  ``hybridrl::linear_v<N>`` (weight gradients through ``hybridrl::linear_weight_grad_v<N>``), opaque
-  to ``torch.compile``; the training engine applies it;
+  ``hybridrl::linear_v<N>`` (input and weight gradients through ``hybridrl::linear_input_grad_v<N>``
+  and ``hybridrl::linear_weight_grad_v<N>``), opaque to ``torch.compile``; the training engine
+  applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
 
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears", "uses_onednn",
-           "weight_grad_backend"]
+           "input_grad_backend", "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto keeps MKL only when it is at least this much faster than oneDNN
@@ -168,7 +169,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # Part of the ops' names. AOTAutograd's on-disk cache keys a compiled graph by the ops it calls, not
 # by their autograd code: a graph compiled before a change to ``_backward`` would keep the old
 # backward. Bump this when the ops or their backward change, so that graphs are compiled anew.
-OP_VERSION = 2
+OP_VERSION = 3
 
 
 @torch.library.custom_op(f"hybridrl::linear_v{OP_VERSION}", mutates_args=())
@@ -275,6 +276,37 @@ def _(grad, x, weight, with_bias):
     return grad.new_empty(weight.shape), grad.new_empty(weight.shape[0] if with_bias else 0)
 
 
+# The input gradient grad (m, out) @ weight (out, in) is a oneDNN inner product on the weight's
+# transposed view, except where MKL took the weight gradients (it runs products on transposed operands at
+# the machine's full rate there) and the input is wider than INPUT_GRAD_MKL_WIDTH: there MKL's plain
+# product takes it. On a Zen 1 EPYC, one thread, best of 7 alternating, oneDNN's time over MKL's:
+# SmolLM2's (656 rows) q and k/v 1.03, gate and up (in 576, out 1536) 1.24, down (in 1536) 1.52, LM
+# head (512 rows, in 576, a sum over 49152) 1.50; the 25M model's (4144 rows) q 0.97, k/v 0.94, gate
+# and up (in 512) 1.04, down (in 1536) 1.52, LM head (in 512) 0.99; the tiny model's (in 128-384)
+# 0.89-0.97. oneDNN reads the transposed view slowly once it is wide, and every input wider than 512
+# there ran faster through MKL.
+INPUT_GRAD_MKL_WIDTH = 512
+
+
+def input_grad_backend(inner: int) -> str:
+    """"onednn" or "mkl": the product of the input gradient of a linear whose input has ``inner``
+    features (the rule above)."""
+    return "mkl" if inner > INPUT_GRAD_MKL_WIDTH and weight_grad_backend() == "mkl" else "onednn"
+
+
+@torch.library.custom_op(f"hybridrl::linear_input_grad_v{OP_VERSION}", mutates_args=())
+def _input_grad_op(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad (m, out) @ weight (out, in) by ``input_grad_backend``."""
+    if input_grad_backend(weight.shape[1]) == "mkl":
+        return torch.mm(grad, weight)
+    return _onednn(grad, weight.t(), None)  # the weight's transpose as oneDNN's (out', in')
+
+
+@_input_grad_op.register_fake
+def _(grad, weight):
+    return grad.new_empty(grad.shape[0], weight.shape[1])
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias = inputs
     ctx.save_for_backward(x, weight)
@@ -286,8 +318,8 @@ def _backward(ctx, grad):
     grad2 = _rows(grad)
     grad_x = grad_w = grad_b = None
     # the products through the op itself, so that a compiled graph keeps them opaque as well
-    if ctx.needs_input_grad[0]:  # (m, out) @ (out, in): the weight's transpose as oneDNN's (out', in')
-        grad_x = _linear_op(grad2, weight.t(), None).view(x.shape)
+    if ctx.needs_input_grad[0]:  # (m, out) @ (out, in)
+        grad_x = _input_grad_op(grad2, weight).view(x.shape)
     with_bias = ctx.has_bias and ctx.needs_input_grad[2]
     if ctx.needs_input_grad[1]:  # (out, m) @ (m, in), and the bias's sum over m in the same pass
         grad_w, grad_b = _weight_grad_op(grad2, _rows(x), weight, with_bias)
