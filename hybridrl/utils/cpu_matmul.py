@@ -19,14 +19,15 @@ at full rate).
 choice from one process to the next). The weight gradients of the training products have a choice of
 their own (``weight_grad_backend()``, the same variable, timed on a gradient the first time one is
 needed), since where MKL runs at the machine's full rate its products on a transposed operand can
-beat oneDNN's by 1.5-2x while the forward products tie. Where oneDNN is chosen:
+beat oneDNN's by 1.5-2x while the forward products tie; where it took them, it also takes the input
+gradients of inputs wider than ``INPUT_GRAD_MKL_WIDTH`` (``input_grad_backend``). Where oneDNN is
+chosen:
 
 - ``use_onednn_linears(model)`` turns a model's fp32 CPU ``nn.Linear`` modules into
-  ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward and
-  backward (input and weight gradients) run as oneDNN products through the custom op
-  ``hybridrl::linear_v<N>`` (input and weight gradients through ``hybridrl::linear_input_grad_v<N>``
-  and ``hybridrl::linear_weight_grad_v<N>``), opaque to ``torch.compile``; the training engine
-  applies it;
+  ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward runs
+  through the custom op ``hybridrl::linear_v<N>`` and whose input and weight gradients run through
+  ``hybridrl::linear_input_grad_v<N>`` and ``hybridrl::linear_weight_grad_v<N>`` (each on the backend
+  chosen above), all opaque to ``torch.compile``; the training engine applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
 
@@ -317,7 +318,7 @@ def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
     grad2 = _rows(grad)
     grad_x = grad_w = grad_b = None
-    # the products through the op itself, so that a compiled graph keeps them opaque as well
+    # the products through custom ops, so that a compiled graph keeps them opaque as well
     if ctx.needs_input_grad[0]:  # (m, out) @ (out, in)
         grad_x = _input_grad_op(grad2, weight).view(x.shape)
     with_bias = ctx.has_bias and ctx.needs_input_grad[2]
