@@ -37,16 +37,21 @@ print(json.dumps([applied, faults]))
 LOGITS_PAGES = 128 * 64 * 1024 * 4 // 4096
 
 
-def _probe(**env) -> tuple[bool, list[int]]:
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True).stdout
-    applied, faults = json.loads(out.strip().splitlines()[-1])
-    return applied, faults
+def _probes(*envs: dict[str, str]) -> list[tuple[bool, list[int]]]:
+    """PROBE in one process per environment, run side by side (a process's page faults are its own)."""
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err[-4000:]
+        applied, faults = json.loads(out.strip().splitlines()[-1])
+        results.append((applied, faults))
+    return results
 
 
 def test_steps_reuse_freed_memory_instead_of_faulting_in_fresh_pages():
-    applied, kept = _probe()
-    opted_out, default = _probe(HYBRIDRL_KEEP_FREED_MEMORY="0")
+    (applied, kept), (opted_out, default) = _probes({}, {"HYBRIDRL_KEEP_FREED_MEMORY": "0"})
     assert applied and not opted_out
     # glibc's defaults map the logits afresh every step: at least their 8192 pages of 4 KB each (more
     # with the other large tensors: 8k-70k measured, depending on what the heap held before)

@@ -4,6 +4,7 @@ Rank 0 gets the longest half of the batch and rank 1 the shortest, so dynamic ba
 micro-batches on rank 0 and the engine must agree on one count (otherwise FSDP would hang).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -71,11 +72,14 @@ def run(out: Path, rank: int, world: int) -> dict:
     from_single.load_checkpoint(out / "ckpt_ws1")
     m2_from_ws1 = from_single.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)
     local_shapes = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
-    # compiled blocks under FSDP2: the gathers stay in eager hooks around the compiled forward
-    compiled = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, torch_compile=True)
-    compiled_fwd = compiled.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
-    compiled_steps = [compiled.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET),
-                      compiled.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)]
+    # compiled blocks under FSDP2: the gathers stay in eager hooks around the compiled forward (in
+    # the run test_distributed.py asks for it with DIST_WORKER_COMPILED=1: most of a run's time)
+    compiled_fwd, compiled_steps = None, None
+    if os.environ.get("DIST_WORKER_COMPILED") == "1":
+        compiled = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, torch_compile=True)
+        compiled_fwd = compiled.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
+        compiled_steps = [compiled.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET),
+                          compiled.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)]
     # GRPO-style groups split across the ranks: each rank computes its rows' prompts once
     grouped = make_group_batch(prompts=3, group=4, seed=23)
     group_rows = torch.arange(len(grouped)).chunk(world)[rank]
@@ -91,7 +95,7 @@ def run(out: Path, rank: int, world: int) -> dict:
         "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
         "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
         "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
-        "compiled_log_probs": compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
+        "compiled_log_probs": compiled_fwd and compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
         "matmul_backend": cpu_matmul.backend(),
         "weight_grad_backend": cpu_matmul.weight_grad_backend(),
         "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
