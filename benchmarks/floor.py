@@ -25,6 +25,7 @@ cores: the floor is one rank's share, and the rate an MFU is measured against is
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -154,9 +155,13 @@ def machine_key(cpuinfo: str | None = None) -> str:
     return f"{vendor}-f{family}-m{model}"
 
 
+@functools.cache
 def provenance() -> str:
     """When and from which code a result was measured: "2026-12-04 at 7411a43" (``+`` marks changes
-    to hybridrl/ or the measuring scripts not yet committed; no commit outside a git checkout)."""
+    to hybridrl/ or the measuring scripts not yet committed; no commit outside a git checkout). The
+    first call's answer for the whole process: the benchmarks call it as they start, so a commit or
+    an edit made while a run is measuring does not relabel it (written at the end, one run's file
+    named a commit made after it had started)."""
     root = Path(__file__).resolve().parent.parent
     day = time.strftime("%Y-%m-%d", time.gmtime())
 

@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (those steps are not counted)")
+    provenance()  # the code as the run starts (floor.provenance)
     case = CASES[args.case]
     if args.n:
         case = dataclasses.replace(case, n=args.n)

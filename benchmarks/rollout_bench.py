@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    provenance()  # the code as the run starts (floor.provenance)
     torch.manual_seed(0)
     peak, bandwidth = measure_peak_flops(), measure_bandwidth()
     rows = [bench_model(name, model, args, peak, bandwidth) for name, model in load_models(args.models.split(","))]

@@ -110,6 +110,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = rollout_parser(__doc__, new_tokens=64, out=results_dir() / "rollout_vllm.md").parse_args(argv)
+    provenance()  # the code as the run starts (floor.provenance)
     torch.manual_seed(0)
     peak, bandwidth = measure_peak_flops(), measure_bandwidth()
     rows = [bench_model(name, folder, args, peak, bandwidth) for name, folder in model_dirs(args.models.split(","))]
