@@ -109,7 +109,6 @@ def test_results_go_to_the_machine_s_own_folder(monkeypatch, tmp_path):
     assert len(commit.rstrip("+")) >= 7  # the checkout's commit (tests run in a git clone)
 
 
-
 def test_provenance_names_the_code_a_run_started_with(monkeypatch):
     """A run that takes half an hour is labelled with the commit it started from, not one made while
     it measured: the first answer is kept for the process."""
@@ -127,6 +126,7 @@ def test_provenance_names_the_code_a_run_started_with(monkeypatch):
         assert floor.provenance() == first.partition(" at ")[0]  # looked up again: no commit, the day alone
     finally:
         floor.provenance.cache_clear()
+
 
 def test_a_row_is_held_to_the_machine_s_rates_during_its_runs():
     """grpo_bench measures the machine before each run of a row and its floor takes the medians: a

@@ -95,7 +95,7 @@ def run(out: Path, rank: int, world: int) -> dict:
         "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],
         "m1": m1, "m2": m2, "m2_resumed": m2_resumed, "resumed_equal": resumed_equal, "m2_from_ws1": m2_from_ws1,
         "full": full, "buckets_equal": buckets_equal, "uneven": uneven, "split_rule": split_rule, "local_shapes": local_shapes, "local_count": local_count,
-        "compiled_log_probs": compiled_fwd and compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
+        "compiled_log_probs": None if compiled_fwd is None else compiled_fwd.batch["log_probs"], "compiled_steps": compiled_steps,
         "matmul_backend": cpu_matmul.backend(),
         "weight_grad_backend": cpu_matmul.weight_grad_backend(),
         "onednn_linears": sum(type(m) is OneDNNLinear for m in engine.model.modules()),
