@@ -76,6 +76,7 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@torch.compiler.assume_constant_result  # dynamo reads it once, rather than tracing the build
 def available() -> bool:
     """Whether the kernels are built and usable on this machine (AVX-512 or AVX2 + FMA, a C compiler, not turned off)."""
     return _library() is not None
@@ -115,10 +116,11 @@ def _shared_mask(t: int, s: int, causal: bool) -> torch.Tensor:
     return (mask.tril() if causal else mask)[None]
 
 
-def _mask_bytes(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor:
-    """(B', T, S) uint8 with a unit last stride (B' = 1 for a shared mask); causal when None."""
+def _mask_bytes(mask: torch.Tensor | None, t: int, s: int, causal: bool = True) -> torch.Tensor:
+    """The kernels' (B', T, S) uint8 mask with a unit last stride of a bool (B or 1, 1, T, S) ``mask``;
+    without one the shared causal mask (B' = 1), or all ones where not ``causal``."""
     if mask is None:
-        return _shared_mask(t, s, True)
+        return _shared_mask(t, s, causal)
     mask = mask[:, 0]
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
@@ -178,59 +180,152 @@ def _run_backward(q, k, v, shared, mask, scale, out, grad_out, lse, dq, dk, dv, 
         *_shape(q, k, shared, scale)))
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, mask, scale):
-        q, k, v = _rows(query), _rows(key), _rows(value)
-        b, h, t, d = q.shape
-        out, lse = torch.empty(b, t, h, d), torch.empty(b, h, t)
-        _run_forward(q, k, v, None, mask, scale, out, lse)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
-        _run_backward(q, k, v, None, mask, ctx.scale, out, grad_out.contiguous(), lse, dq, dk, dv)
-        return dq, dk, dv, None, None
+# Part of the ops' names: AOTAutograd's on-disk cache keys a compiled graph by the ops it calls, not
+# by their code (as ``hybridrl.utils.cpu_matmul.OP_VERSION``). Bump it when the ops change.
+OP_VERSION = 1
 
 
-class _SharedPrompts(torch.autograd.Function):
-    """``shared_prompt_attention``: two kernel calls (the prompts, then the rows reading their group's
-    prompt keys in place) writing one flat output, and in backward one flat gradient each for the
-    queries, keys and values."""
+# The attention as custom ops (forward and backward), so that a compiled transformer block traces
+# through it as one opaque call and stays one graph. As a ``torch.compiler.disable`` function it was a
+# graph break: dynamo compiled 7-8 frames for each variant of a block, transformers' wrappers around
+# the call one by one, and each compiled region added its guards and dispatch to every layer call
+# (4 compiled regions a layer in the tiny update, 1 now). On the Zen 1 EPYC: the tests that compile,
+# with an empty inductor cache, 486 -> 358 s (the two-rank FSDP2 run 251 -> 147 s); the tiny
+# benchmark's first update 10.5 -> 9.0 s with a warm cache, 35.5 -> 32.2 s cold; its later updates
+# 1.496 -> 1.468 s (medians of 12 steps, alternating).
+@torch.library.custom_op(f"hybridrl::attention_v{OP_VERSION}", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, T, H, D), lse (B, H, T)) of ``attention``; ``mask`` None: causal if ``causal``, else all keys."""
+    q, k, v = _rows(query), _rows(key), _rows(value)
+    b, h, t, d = q.shape
+    out, lse = torch.empty(b, t, h, d), torch.empty(b, h, t)
+    _run_forward(q, k, v, None, _mask_bytes(mask, t, k.shape[2], causal), scale, out, lse)
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, query, key, value, group, width, fed, prompt_mask, rows_mask, scale):
-        _, h, n, d = query.shape
-        cut = n - group.numel() * fed
-        prompts = cut // width
-        out = torch.empty(n, h, d)
-        lse_prompts, lse_rows = torch.empty(prompts, h, width), torch.empty(group.numel(), h, fed)
-        (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
-        _run_forward(qp, kp, vp, None, prompt_mask, scale, out[:cut], lse_prompts)
-        _run_forward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], lse_rows)
-        ctx.save_for_backward(query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows)
-        ctx.sizes = (cut, width, fed, scale)
-        return out[None]
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, group, prompt_mask, rows_mask, out, lse_prompts, lse_rows = ctx.saved_tensors
-        cut, width, fed, scale = ctx.sizes
-        grad_out = grad_out[0].contiguous()
-        # contiguous (1, heads, N, D): a compiled block's backward takes its gradients in that
-        # layout (AOTAutograd's tangents with dynamic shapes) and copied any other (2 ms a tiny step)
-        dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
-        (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
-        (dqp, dqr), (dkp, dkr), (dvp, dvr) = (split_flat(x, cut, width, fed) for x in (dq, dk, dv))
-        _run_backward(qp, kp, vp, None, prompt_mask, scale, out[:cut], grad_out[:cut], lse_prompts, dqp, dkp, dvp)
-        # each prompt's keys and values: their own gradient (above), plus all its rows'
-        _run_backward(qr, kr, vr, (kp, vp, group), rows_mask, scale, out[cut:], grad_out[cut:], lse_rows, dqr, dkr,
-                      dvr, (dkp, dvp))
-        return dq, dk, dv, None, None, None, None, None, None
+@_attention_op.register_fake
+def _(query, key, value, mask, causal, scale):
+    b, h, t, d = query.shape
+    return query.new_empty(b, t, h, d), query.new_empty(b, h, t)
+
+
+@torch.library.custom_op(f"hybridrl::attention_backward_v{OP_VERSION}", mutates_args=())
+def _attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                           causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                           grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _rows(query), _rows(key), _rows(value)
+    dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+    _run_backward(q, k, v, None, _mask_bytes(mask, q.shape[2], k.shape[2], causal), scale, out,
+                  grad_out.contiguous(), lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _(query, key, value, mask, causal, scale, out, lse, grad_out):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    query, key, value, mask, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, mask, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _attention_backward(ctx, grad_out, _grad_lse):
+    query, key, value, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(query, key, value, mask, ctx.causal, ctx.scale, out, lse, grad_out)
+    return dq, dk, dv, None, None, None
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _shared_sizes(query: torch.Tensor, group: torch.Tensor, rows_mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """(cut, width, fed, prompts) of a flat sequence: the rows' mask is (b, 1, fed, width + fed)."""
+    fed = rows_mask.shape[2]
+    width = rows_mask.shape[3] - fed
+    cut = query.shape[2] - group.shape[0] * fed
+    return cut, width, fed, cut // width
+
+
+def _lse_parts(lse: torch.Tensor, query: torch.Tensor, group: torch.Tensor, cut: int, width: int, fed: int):
+    """The flat (H N) log-sum-exps of the shared-prompt op as the prompts' (U, H, width) and the rows' (b, H, fed)."""
+    h = query.shape[1]
+    prompts, rows = lse.split([h * cut, lse.numel() - h * cut])
+    return prompts.view(-1, h, width), rows.view(group.shape[0], h, fed)
+
+
+@torch.library.custom_op(f"hybridrl::shared_prompt_attention_v{OP_VERSION}", mutates_args=())
+def _shared_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: torch.Tensor,
+               prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (1, N, H, D), the log-sum-exps (H N) flat) of ``shared_prompt_attention``: two kernel calls
+    (the prompts, then the rows reading their group's prompt keys in place) writing one flat output."""
+    cut, width, fed, prompts = _shared_sizes(query, group, rows_mask)
+    group = group.contiguous().long()
+    if group.numel() and (int(group.min()) < 0 or int(group.max()) >= prompts):  # the kernels index with it
+        raise IndexError(f"shared_prompt_attention: group ids must lie in [0, {prompts}), got "
+                         f"{int(group.min())} .. {int(group.max())}")
+    _, h, n, d = query.shape
+    out, lse = torch.empty(1, n, h, d), torch.empty(h * n)
+    lse_prompts, lse_rows = _lse_parts(lse, query, group, cut, width, fed)
+    (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
+    _run_forward(qp, kp, vp, None, _mask_bytes(prompt_mask, width, width), scale, out[0, :cut],
+                 lse_prompts)
+    _run_forward(qr, kr, vr, (kp, vp, group), _mask_bytes(rows_mask, fed, width + fed), scale, out[0, cut:],
+                 lse_rows)
+    return out, lse
+
+
+@_shared_op.register_fake
+def _(query, key, value, group, prompt_mask, rows_mask, scale):
+    _, h, n, d = query.shape
+    return query.new_empty(1, n, h, d), query.new_empty(h * n)
+
+
+@torch.library.custom_op(f"hybridrl::shared_prompt_attention_backward_v{OP_VERSION}", mutates_args=())
+def _shared_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: torch.Tensor,
+                        prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor, scale: float, out: torch.Tensor,
+                        lse: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One flat gradient each for the queries, keys and values, contiguous (1, heads, N, D): a compiled
+    block's backward takes its gradients in that layout (AOTAutograd's tangents with dynamic shapes)
+    and copied any other (2 ms a tiny step)."""
+    cut, width, fed, _ = _shared_sizes(query, group, rows_mask)
+    group = group.contiguous().long()
+    lse_prompts, lse_rows = _lse_parts(lse, query, group, cut, width, fed)
+    out, grad_out = out[0], grad_out[0].contiguous()
+    dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
+    (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
+    (dqp, dqr), (dkp, dkr), (dvp, dvr) = (split_flat(x, cut, width, fed) for x in (dq, dk, dv))
+    _run_backward(qp, kp, vp, None, _mask_bytes(prompt_mask, width, width), scale, out[:cut],
+                  grad_out[:cut], lse_prompts, dqp, dkp, dvp)
+    # each prompt's keys and values: their own gradient (above), plus all its rows'
+    _run_backward(qr, kr, vr, (kp, vp, group), _mask_bytes(rows_mask, fed, width + fed), scale, out[cut:],
+                  grad_out[cut:], lse_rows, dqr, dkr, dvr, (dkp, dvp))
+    return dq, dk, dv
+
+
+@_shared_backward_op.register_fake
+def _(query, key, value, group, prompt_mask, rows_mask, scale, out, lse, grad_out):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _shared_setup(ctx, inputs, output) -> None:
+    query, key, value, group, prompt_mask, rows_mask, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, group, prompt_mask, rows_mask, out, lse)
+    ctx.scale = scale
+
+
+def _shared_backward(ctx, grad_out, _grad_lse):
+    query, key, value, group, prompt_mask, rows_mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = _shared_backward_op(query, key, value, group, prompt_mask, rows_mask, ctx.scale, out, lse, grad_out)
+    return dq, dk, dv, None, None, None, None
+
+
+_shared_op.register_autograd(_shared_backward, setup_context=_shared_setup)
 
 
 def split_flat(x: torch.Tensor, cut: int, width: int, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,25 +343,19 @@ def shared_prompt_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: torch.Tensor,
-                            width: int, fed: int, prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor,
+                            prompt_mask: torch.Tensor | None, rows_mask: torch.Tensor,
                             scale: float | None = None) -> torch.Tensor:
     """Attention over one flat sequence of U prompts of ``width`` positions followed by b rows of
     ``fed`` positions (``hybridrl.engine.shared_prefix``), for operands ``shared_prompt_usable``
-    takes: query (1, H, N, D), key and value (1, KVH, N, D), N = U width + b fed. Prompt u attends
-    causally over itself through ``prompt_mask`` (U, 1, width, width) bool (None: causal); row i
-    attends to prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask``
-    (b, 1, fed, width + fed) bool; ``scale`` None: head size ** -0.5. Returns (1, N, H, D),
-    contiguous; differentiable in query, key and value, whose gradients come back contiguous
-    (1, heads, N, D), the layout a compiled block's backward takes them in. The numbers of ``attention`` on the rows with their prompts'
-    keys gathered in front."""
-    group = group.contiguous().long()
-    prompts = (query.shape[2] - group.numel() * fed) // width
-    if group.numel() and (int(group.min()) < 0 or int(group.max()) >= prompts):  # the kernels index with it
-        raise IndexError(f"shared_prompt_attention: group ids must lie in [0, {prompts}), got "
-                         f"{int(group.min())} .. {int(group.max())}")
-    prompts_mask = _mask_bytes(prompt_mask, width, width)
-    return _SharedPrompts.apply(query, key, value, group, width, fed, prompts_mask,
-                                _mask_bytes(rows_mask, fed, width + fed), float(_scale(scale, query)))
+    takes: query (1, H, N, D), key and value (1, KVH, N, D), N = U width + b fed. Row i attends to
+    prompt ``group[i]``'s keys, read in place, then its own, through ``rows_mask`` (b, 1, fed,
+    width + fed) bool, whose shape gives ``width`` and ``fed``; prompt u attends causally over itself
+    through ``prompt_mask`` (U, 1, width, width) bool (None: causal); ``scale`` None: head size **
+    -0.5. Returns (1, N, H, D), contiguous; differentiable in query, key and value, whose gradients
+    come back contiguous (1, heads, N, D), the layout a compiled block's backward takes them in. The
+    numbers of ``attention`` on the rows with their prompts' keys gathered in front. One custom op
+    (``torch.compile`` traces through it); the group ids are checked when it runs."""
+    return _shared_op(query, key, value, group, prompt_mask, rows_mask, float(_scale(scale, query)))[0]
 
 
 def _scale(scaling: float | None, query: torch.Tensor) -> float:
@@ -277,9 +366,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
               scale: float) -> torch.Tensor:
     """softmax(scale q k^T, masked) v for operands ``usable`` says it takes: query (B, H, T, D),
     key/value (B, KVH, S, D), mask (B or 1, 1, T, S) bool, True where a query may attend (None:
-    causal, query t seeing keys 0 .. t, as ``scaled_dot_product_attention(is_causal=True)``). Returns (B, T, H, D), contiguous; differentiable in
-    query, key and value. A query that may attend to no key gets zeros (and passes no gradient)."""
-    return _Attention.apply(query, key, value, _mask_bytes(mask, query.shape[2], key.shape[2]), float(scale))
+    causal, query t seeing keys 0 .. t, as ``scaled_dot_product_attention(is_causal=True)``). Returns
+    (B, T, H, D), contiguous; differentiable in query, key and value. A query that may attend to no
+    key gets zeros (and passes no gradient). One custom op (``torch.compile`` traces through it)."""
+    return _attention_op(query, key, value, mask, True, float(scale))[0]
 
 
 def plain(dropout: float, kwargs: dict) -> bool:
@@ -298,13 +388,10 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     if not plain(dropout, kwargs) or not usable(query, key, value, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    t, s = query.shape[2], key.shape[2]
-    if attention_mask is None:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        mask = _shared_mask(t, s, causal and t > 1)
-    else:
-        mask = _mask_bytes(attention_mask, t, s)
-    return _Attention.apply(query, key, value, mask, float(_scale(scaling, query))), None
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # one query without a mask (a decode step) sees every key
+    causal = causal and query.shape[2] > 1
+    return _attention_op(query, key, value, attention_mask, causal, float(_scale(scaling, query)))[0], None
 
 
 ATTENTION_NAME = "hybridrl_cpu"  # the transformers attention implementation ``use_for`` sets
@@ -313,14 +400,15 @@ _registered: set[str] = set()
 
 def register(name: str, fn, masks: bool = True) -> None:
     """Register ``fn`` with transformers as attention implementation ``name`` (once), with sdpa's
-    masks (``masks=False``: transformers makes none, ``fn`` gets None); it runs outside
-    ``torch.compile``: compiled blocks break their graph around the call."""
+    masks (``masks=False``: transformers makes none, ``fn`` gets None). ``fn`` must be traceable by
+    ``torch.compile`` (compiled blocks trace through it): this module's functions are, the kernels
+    being custom ops."""
     if name in _registered:
         return
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(name, torch.compiler.disable(fn))
+    AttentionInterface.register(name, fn)
     if masks:
         AttentionMaskInterface.register(name, sdpa_mask)
     _registered.add(name)

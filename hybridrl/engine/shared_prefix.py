@@ -30,9 +30,11 @@ forward and the head cannot be called apart). The arithmetic is the same as the 
 float rounding (matmuls of other shapes); the work drops by ``(b - U) / b`` of the prompt tokens,
 e.g. three quarters of them with 4 samples per prompt.
 
-The attention function is active only inside ``shared_prompt_logits`` and runs outside
-``torch.compile`` (compiled transformer blocks break their graph around it), so the usual path is
-untouched. It applies to models whose attention is plain causal ``sdpa`` or hybridrl's CPU
+The attention function is active only inside ``shared_prompt_logits``, so the usual path is
+untouched. Compiled transformer blocks trace through it: with the kernels it is one custom op and a
+block stays one graph; without them (``_gathered_attention``) it runs outside the graph. It
+reads only tensors from the call's ``_Share``, whose sizes are symbolic in a compiled block: an
+integer read there would be specialised, recompiling every block for each new prompt width. It applies to models whose attention is plain causal ``sdpa`` or hybridrl's CPU
 attention (Llama, Qwen2, Qwen3 without sliding windows) and not under activation checkpointing,
 whose recomputation would run outside the call that sets up the split.
 """
@@ -58,12 +60,10 @@ class _Share:
     """How the flat sequence of ``shared_prompt_logits`` splits: ``U`` prompts of ``width`` positions
     (left padded; ``prompt_mask`` (U, 1, width, width), None when none is padded), then ``b`` rows of
     ``fed`` response positions, row ``i`` reading prompt ``index[i]``'s keys and values through
-    ``response_mask`` (b, 1, fed, width + fed); ``heads`` gathers each row's positions for the LM head."""
+    ``response_mask`` (b, 1, fed, width + fed); ``heads`` gathers each row's positions for the LM head.
+    Tensors only: the sizes are their shapes (see ``_attention``)."""
 
     index: torch.Tensor
-    prompts: int
-    width: int
-    fed: int
     prompt_mask: torch.Tensor | None
     response_mask: torch.Tensor
     heads: torch.Tensor
@@ -85,24 +85,28 @@ def _head_forward(head: nn.Module, share: _Share):
 _active: _Share | None = None
 
 
-def _split(states: torch.Tensor, share: _Share) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, H, T, D) of the flat sequence -> the prompts' (U, H, width, D) and the rows' (b, H, fed, D), views."""
-    return cpu_attention.split_flat(states, share.prompts * share.width, share.width, share.fed)
-
-
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Attention over ``shared_prompt_logits``' flat sequence: each prompt causally over itself, each
     row over its prompt's keys and values followed by its own, causally: in one call of hybridrl's
-    kernels (``cpu_attention.shared_prompt_attention``) where they apply, else with the prompt keys
-    gathered per row through ``cpu_attention.hf_attention`` (sdpa). Returns the flat (1, T, H, D)
-    output transformers expects."""
+    kernels (``cpu_attention.shared_prompt_attention``, a custom op that compiled blocks trace
+    through) where they apply, else ``_gathered_attention``. Returns the flat (1, T, H, D) output
+    transformers expects."""
     share = _active
     if cpu_attention.shared_prompt_usable(query, key, value) and cpu_attention.plain(kwargs.get("dropout", 0.0), kwargs):
-        return cpu_attention.shared_prompt_attention(query, key, value, share.index, share.width, share.fed,
-                                                     share.prompt_mask, share.response_mask, kwargs.get("scaling")), None
-    q_prompt, q_rows = _split(query, share)
-    k_prompt, k_rows = _split(key, share)
-    v_prompt, v_rows = _split(value, share)
+        return cpu_attention.shared_prompt_attention(query, key, value, share.index, share.prompt_mask,
+                                                     share.response_mask, kwargs.get("scaling")), None
+    return _gathered_attention(module, query, key, value, share, **kwargs)
+
+
+@torch.compiler.disable  # traced, its splits at symbolic sizes took inductor minutes of index simplification
+def _gathered_attention(module: nn.Module, query, key, value, share: _Share, **kwargs):
+    """``_attention`` without the kernels: the prompt keys and values gathered per row, each part
+    through ``cpu_attention.hf_attention`` (sdpa)."""
+    fed = share.response_mask.shape[2]
+    width = share.response_mask.shape[3] - fed
+    cut = query.shape[2] - share.index.shape[0] * fed
+    (q_prompt, q_rows), (k_prompt, k_rows), (v_prompt, v_rows) = (
+        cpu_attention.split_flat(x, cut, width, fed) for x in (query, key, value))
     kwargs.pop("is_causal", None)
     out_prompt, _ = cpu_attention.hf_attention(module, q_prompt, k_prompt, v_prompt, share.prompt_mask,
                                                is_causal=True, **kwargs)
@@ -191,8 +195,7 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     config = model.config
     previous = config._attn_implementation
     head = model.get_output_embeddings()
-    _active = _Share(index=index, prompts=prompts, width=width, fed=fed, prompt_mask=prompt_mask,
-                     response_mask=response_mask, heads=heads)
+    _active = _Share(index=index, prompt_mask=prompt_mask, response_mask=response_mask, heads=heads)
     config._attn_implementation = ATTENTION_NAME
     head.forward = _head_forward(head, _active)  # the instance's own, over its class's, until finally
     try:

@@ -133,8 +133,8 @@ def test_shared_prompt_attention_equals_rows_with_their_prompts_gathered(h, kvh,
     own = torch.ones(rows, 1, 1, fed, dtype=torch.bool) & causal[:fed, :fed]
     own[3, 0, 0, fed - 2:] = False  # a row's padding at the end of its response
     rows_mask = torch.cat([real[group][:, None, None, :].expand(-1, 1, fed, -1), own], dim=3)
-    out = cpu_attention.shared_prompt_attention(q, k, v, group, width, fed, prompt_mask if padded else None,
-                                                rows_mask, d**-0.5)
+    out = cpu_attention.shared_prompt_attention(q, k, v, group, prompt_mask if padded else None, rows_mask,
+                                                d**-0.5)
     cut = prompts * width
 
     def parts(x):
@@ -162,7 +162,7 @@ def test_shared_prompt_attention_refuses_a_group_outside_the_prompts():
     q, k, v = (_flat(2, 4, 3, 5, n, 16, gen) for n in (2, 2, 2))
     rows_mask = torch.ones(3, 1, 5, 9, dtype=torch.bool)
     with pytest.raises(IndexError, match=r"group ids must lie in \[0, 2\), got 0 .. 2"):
-        cpu_attention.shared_prompt_attention(q, k, v, torch.tensor([0, 1, 2]), 4, 5, None, rows_mask, 0.2)
+        cpu_attention.shared_prompt_attention(q, k, v, torch.tensor([0, 1, 2]), None, rows_mask, 0.2)
 
 
 def test_shared_prompt_attention_is_the_same_on_two_threads():
@@ -176,7 +176,7 @@ def test_shared_prompt_attention_is_the_same_on_two_threads():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            out = cpu_attention.shared_prompt_attention(q, k, v, group, 6, 11, None, rows_mask, 0.2)
+            out = cpu_attention.shared_prompt_attention(q, k, v, group, None, rows_mask, 0.2)
             results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
     finally:
         torch.set_num_threads(before)
@@ -248,9 +248,8 @@ def test_train_engine_attends_through_the_kernels_with_sdpa_numbers(monkeypatch,
                                         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
                                         "responses": ids[:, 9:].clone()})
     calls = []
-    for function in (cpu_attention._Attention, cpu_attention._SharedPrompts):  # rows apart / shared prompts
-        kernel = function.apply
-        monkeypatch.setattr(function, "apply", lambda *a, kernel=kernel: calls.append(1) or kernel(*a))
+    kernel = cpu_attention._run_forward  # the ops' (rows apart / shared prompts) call into the kernels
+    monkeypatch.setattr(cpu_attention, "_run_forward", lambda *a: calls.append(1) or kernel(*a))
     results = {}
     for kernels in (True, False):
         if not kernels:  # as on a machine without them: sdpa everywhere, shared prompts included

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch._dynamo
 
+from hybridrl.engine import cpu_attention
 from hybridrl.trainer.main_ppo import run
 from tests.trainer.e2e_helpers import all_finite, comparable, config, make_assets, read_metrics
 
@@ -24,9 +25,12 @@ def assets(tmp_path_factory):
 def test_compiled_step_gives_the_eager_numbers(assets, tmp_path):
     run(config(assets, tmp_path / "eager", **ONE_STEP))
     torch._dynamo.reset()
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    counters = torch._dynamo.utils.counters
+    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     run(config(assets, tmp_path / "compiled", **ONE_STEP, **{"actor_rollout_ref.actor.use_torch_compile": True}))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # the local backend runs in this process
+    assert counters["stats"]["unique_graphs"] > before  # the local backend runs in this process
+    # the attention kernels are custom ops: each block is one graph, shared prompts included
+    assert cpu_attention.available() and sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     eager, compiled = comparable(read_metrics(tmp_path / "eager")[1]), comparable(read_metrics(tmp_path / "compiled")[1])
     assert all_finite(compiled) and eager.keys() == compiled.keys()
     assert "actor/kl_loss" in compiled
