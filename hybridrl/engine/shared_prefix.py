@@ -32,11 +32,12 @@ e.g. three quarters of them with 4 samples per prompt.
 
 The attention function is active only inside ``shared_prompt_logits``, so the usual path is
 untouched. Compiled transformer blocks trace through it: with the kernels it is one custom op and a
-block stays one graph; without them (``_gathered_attention``) it runs outside the graph. It
-reads only tensors from the call's ``_Share``, whose sizes are symbolic in a compiled block: an
-integer read there would be specialised, recompiling every block for each new prompt width. It applies to models whose attention is plain causal ``sdpa`` or hybridrl's CPU
-attention (Llama, Qwen2, Qwen3 without sliding windows) and not under activation checkpointing,
-whose recomputation would run outside the call that sets up the split.
+block stays one graph; without them (``_gathered_attention``) it runs outside the graph. It reads
+only tensors from the call's ``_Share``, whose sizes are symbolic in a compiled block: an integer
+read there would be specialised, recompiling every block for each new prompt width. It applies to
+models whose attention is plain causal ``sdpa`` or hybridrl's CPU attention (Llama, Qwen2, Qwen3
+without sliding windows) and not under activation checkpointing, whose recomputation would run
+outside the call that sets up the split.
 """
 
 from __future__ import annotations
