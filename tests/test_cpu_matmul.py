@@ -191,6 +191,54 @@ def test_bad_backend_names_the_variable():
     assert result.returncode != 0 and "HYBRIDRL_CPU_MATMUL='blas'" in result.stderr
 
 
+def _choices_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """backend() and weight_grad_backend() in a fresh process under ``env``, with the timings made
+    to fail: a pinned choice must not time anything."""
+    code = ("from hybridrl.utils import cpu_matmul\n"
+            "def timed(*a, **k): raise AssertionError('timed a product')\n"
+            "cpu_matmul._faster = timed\n"
+            "print(cpu_matmul.backend(), cpu_matmul.weight_grad_backend())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_pinned_choices_make_another_process_take_the_same_without_timing(monkeypatch):
+    """What a CPU worker group exports into its ranks: this process's choices, which a fresh process
+    takes as they are, whichever of the four combinations they are."""
+    monkeypatch.delenv(cpu_matmul.ENV, raising=False)
+    monkeypatch.delenv(cpu_matmul.WEIGHT_GRAD_ENV, raising=False)
+    pinned = cpu_matmul.pinned_choices()
+    assert pinned == {cpu_matmul.ENV: cpu_matmul.backend(), cpu_matmul.WEIGHT_GRAD_ENV: cpu_matmul.weight_grad_backend()}
+    for forward in ("mkl", "onednn"):
+        for grads in ("mkl", "onednn"):
+            result = _choices_in_subprocess({cpu_matmul.ENV: forward, cpu_matmul.WEIGHT_GRAD_ENV: grads})
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.split() == [forward, grads]
+    result = _choices_in_subprocess({cpu_matmul.ENV: "onednn", cpu_matmul.WEIGHT_GRAD_ENV: "blas"})
+    assert result.returncode != 0 and "HYBRIDRL_CPU_MATMUL_WEIGHT_GRAD='blas'" in result.stderr
+
+
+def test_cpu_worker_group_ranks_get_the_drivers_choices(monkeypatch):
+    """PPOWorkers hands every rank the driver's pinned choices (the local backend's one rank here;
+    Ray ranks get the same env through WorkerHost.setup)."""
+    from hybridrl.trainer import workers
+
+    seen = {}
+
+    class Group:
+        def __init__(self, pool, roles, backend, name, env):
+            seen.update(env)
+            self.world_size = 1
+
+    monkeypatch.setattr(workers, "WorkerGroup", Group)
+    monkeypatch.setattr(cpu_matmul, "pinned_choices", lambda: {cpu_matmul.ENV: "mkl", cpu_matmul.WEIGHT_GRAD_ENV: "onednn"})
+    from hybridrl.config import load_config
+
+    config = load_config(["trainer.backend=local", "trainer.n_cpu_workers=1"], preset="grpo_quickstart")
+    workers.PPOWorkers(config, total_training_steps=1)
+    assert seen == {cpu_matmul.ENV: "mkl", cpu_matmul.WEIGHT_GRAD_ENV: "onednn"}
+
+
 def test_train_engine_with_onednn_matches_mkl(monkeypatch):
     """Two engines on the same tiny model and batch, one on each backend: same losses and weights
     after two steps, to float rounding."""

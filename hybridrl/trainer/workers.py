@@ -14,6 +14,7 @@ from hybridrl.config.validate import critic_in_use, ref_in_use
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerFuture, WorkerGroup, init_ray
 from hybridrl.trainer.metrics import reduce_metrics
+from hybridrl.utils import cpu_matmul
 from hybridrl.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 
@@ -36,7 +37,9 @@ class PPOWorkers:
         if trainer.backend == "ray":
             init_ray(num_cpus=config.ray_kwargs.ray_init.num_cpus)
         self.pool = ResourcePool([per_node] * trainer.nnodes, use_gpu=use_gpu)
-        self.group = WorkerGroup(self.pool, roles, backend=trainer.backend, name="actor_rollout")
+        # on CPU every rank takes the driver's matmul backends, timed once here (see pinned_choices)
+        env = {} if use_gpu else cpu_matmul.pinned_choices()
+        self.group = WorkerGroup(self.pool, roles, backend=trainer.backend, name="actor_rollout", env=env)
         self.world_size = self.group.world_size
         # whether calls run in other processes while the driver goes on (Ray); the local backend
         # runs them in the driver when it waits for them

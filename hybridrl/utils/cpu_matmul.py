@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "use_onednn_linears", "uses_onednn",
-           "input_grad_backend", "weight_grad_backend"]
+__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "pinned_choices",
+           "use_onednn_linears", "uses_onednn", "input_grad_backend", "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto keeps MKL only when it is at least this much faster than oneDNN
@@ -128,13 +128,17 @@ def _calibrate(reps: int = 5) -> str:
     return _faster(lambda: F.linear(x, weight), lambda: _onednn(x, weight, None), MIN_SPEEDUP, reps)
 
 
-def _requested() -> str:
-    """``HYBRIDRL_CPU_MATMUL``: "auto", "mkl" or "onednn" (checked)."""
-    wanted = os.environ.get("HYBRIDRL_CPU_MATMUL", "auto").strip().lower()
+ENV = "HYBRIDRL_CPU_MATMUL"
+WEIGHT_GRAD_ENV = "HYBRIDRL_CPU_MATMUL_WEIGHT_GRAD"  # the weight gradients' own (``pinned_choices``)
+
+
+def _requested(name: str = ENV) -> str:
+    """The environment variable ``name``: "auto", "mkl" or "onednn" (checked)."""
+    wanted = os.environ.get(name, "auto").strip().lower()
     if wanted not in BACKENDS:
-        raise ValueError(f"HYBRIDRL_CPU_MATMUL={wanted!r}; allowed: {BACKENDS}")
+        raise ValueError(f"{name}={wanted!r}; allowed: {BACKENDS}")
     if wanted == "onednn" and not onednn_available():
-        raise ValueError("HYBRIDRL_CPU_MATMUL=onednn but this torch has no oneDNN (torch.backends.mkldnn)")
+        raise ValueError(f"{name}=onednn but this torch has no oneDNN (torch.backends.mkldnn)")
     return wanted
 
 
@@ -239,15 +243,28 @@ def _calibrate_weight_grad(reps: int = 3) -> str:
 
 def weight_grad_backend() -> str:
     """"onednn" or "mkl": the product of ``OneDNNLinear``'s weight gradients in this process.
-    ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces it too; ``auto`` keeps MKL's where MKL is the
-    backend, and otherwise times both once, on first use (see above)."""
+    ``HYBRIDRL_CPU_MATMUL_WEIGHT_GRAD=onednn`` or ``mkl`` forces it, else ``HYBRIDRL_CPU_MATMUL=onednn``
+    or ``mkl`` does; ``auto`` keeps MKL's where MKL is the backend, and otherwise times both once, on
+    first use (see above)."""
     global _weight_grad_choice
     if _weight_grad_choice is None:
-        wanted = _requested()
+        wanted = _requested(WEIGHT_GRAD_ENV)
+        if wanted == "auto":
+            wanted = _requested()
         if wanted == "auto":
             wanted = "mkl" if backend() == "mkl" else _calibrate_weight_grad()
         _weight_grad_choice = wanted
     return _weight_grad_choice
+
+
+def pinned_choices() -> dict[str, str]:
+    """This process's choices (``backend()`` and ``weight_grad_backend()``, timed here where they are
+    "auto") as the environment that makes another process take the same ones without timing. A CPU
+    worker group exports it into every rank (``hybridrl.trainer.workers``): each rank timing for itself
+    could choose differently in a busy moment, and ranks or runs whose products round differently
+    no longer give the same numbers (two ranks on a Zen 1, MKL's weight gradients on one and
+    oneDNN's on the other, moved a PPO run's second-step pg_loss by 3e-4 of itself)."""
+    return {ENV: backend(), WEIGHT_GRAD_ENV: weight_grad_backend()}
 
 
 def weight_grad_plan(out: int, inner: int) -> str:
