@@ -13,7 +13,8 @@ training products go through hybridrl's ops below and the decoder's kernel takes
 rows. So oneDNN is the default, and MKL is kept only where it is clearly faster (a CPU where it runs
 at full rate).
 
-``backend()`` decides once per process: ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces one;
+``backend()`` decides once per process (a CPU trainer decides in the driver and hands the choices
+to every rank, ``pinned_choices``): ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` forces one;
 ``auto`` (the default) times both on one product and takes MKL only when it is at least
 ``MIN_SPEEDUP`` faster (a threshold on one side: where the two tie, a timing's noise does not flip the
 choice from one process to the next). The weight gradients of the training products have a choice of
@@ -262,8 +263,9 @@ def pinned_choices() -> dict[str, str]:
     "auto") as the environment that makes another process take the same ones without timing. A CPU
     worker group exports it into every rank (``hybridrl.trainer.workers``): each rank timing for itself
     could choose differently in a busy moment, and ranks or runs whose products round differently
-    no longer give the same numbers (two ranks on a Zen 1, MKL's weight gradients on one and
-    oneDNN's on the other, moved a PPO run's second-step pg_loss by 3e-4 of itself)."""
+    no longer give the same numbers (on a Zen 1 the two backends' weight gradients put a two-rank PPO
+    run's second-step pg_loss 2e-4 of itself apart, and a CI run whose value matched neither was 3e-4
+    off; with the same choices, sharded and replicated runs agreed to 4e-6)."""
     return {ENV: backend(), WEIGHT_GRAD_ENV: weight_grad_backend()}
 
 
