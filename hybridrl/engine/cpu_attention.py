@@ -39,7 +39,7 @@ from hybridrl.utils import native_build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "hf_attention", "register", "shared_prompt_attention",
+__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register", "shared_prompt_attention",
            "shared_prompt_usable", "simd_width", "split_flat", "token_logprob", "token_logprob_backward", "token_usable",
            "transposed", "usable", "use_for"]
 
@@ -242,19 +242,24 @@ def _attention_backward(ctx, grad_out, _grad_lse):
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _shared_sizes(query: torch.Tensor, group: torch.Tensor, rows_mask: torch.Tensor) -> tuple[int, int, int, int]:
-    """(cut, width, fed, prompts) of a flat sequence: the rows' mask is (b, 1, fed, width + fed)."""
+def flat_sizes(query: torch.Tensor, group: torch.Tensor, rows_mask: torch.Tensor) -> tuple[int, int, int]:
+    """(cut, width, fed) of a shared-prompt flat sequence (``shared_prompt_attention``): the rows' mask
+    is (b, 1, fed, width + fed), the prompts take the first ``cut`` positions. Read from the shapes,
+    which are symbolic in a compiled block."""
     fed = rows_mask.shape[2]
-    width = rows_mask.shape[3] - fed
-    cut = query.shape[2] - group.shape[0] * fed
-    return cut, width, fed, cut // width
+    return query.shape[2] - group.shape[0] * fed, rows_mask.shape[3] - fed, fed
 
 
-def _lse_parts(lse: torch.Tensor, query: torch.Tensor, group: torch.Tensor, cut: int, width: int, fed: int):
-    """The flat (H N) log-sum-exps of the shared-prompt op as the prompts' (U, H, width) and the rows' (b, H, fed)."""
+def _shared_layout(query, group, prompt_mask, rows_mask, lse):
+    """What both shared-prompt ops take from their operands: (cut, width, fed), the group ids as
+    int64, the prompts' and the rows' kernel masks, and the flat (H N) log-sum-exps ``lse`` as the
+    prompts' (U, H, width) and the rows' (b, H, fed)."""
+    cut, width, fed = flat_sizes(query, group, rows_mask)
     h = query.shape[1]
-    prompts, rows = lse.split([h * cut, lse.numel() - h * cut])
-    return prompts.view(-1, h, width), rows.view(group.shape[0], h, fed)
+    lse_prompts, lse_rows = lse.split([h * cut, lse.numel() - h * cut])
+    masks = _mask_bytes(prompt_mask, width, width), _mask_bytes(rows_mask, fed, width + fed)
+    lses = lse_prompts.view(-1, h, width), lse_rows.view(group.shape[0], h, fed)
+    return (cut, width, fed), group.contiguous().long(), masks, lses
 
 
 @torch.library.custom_op(f"hybridrl::shared_prompt_attention_v{OP_VERSION}", mutates_args=())
@@ -263,19 +268,17 @@ def _shared_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grou
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (1, N, H, D), the log-sum-exps (H N) flat) of ``shared_prompt_attention``: two kernel calls
     (the prompts, then the rows reading their group's prompt keys in place) writing one flat output."""
-    cut, width, fed, prompts = _shared_sizes(query, group, rows_mask)
-    group = group.contiguous().long()
+    _, h, n, d = query.shape
+    out, lse = torch.empty(1, n, h, d), torch.empty(h * n)
+    (cut, width, fed), group, (prompts_mask, rows_bytes), (lse_prompts, lse_rows) = _shared_layout(
+        query, group, prompt_mask, rows_mask, lse)
+    prompts = cut // width
     if group.numel() and (int(group.min()) < 0 or int(group.max()) >= prompts):  # the kernels index with it
         raise IndexError(f"shared_prompt_attention: group ids must lie in [0, {prompts}), got "
                          f"{int(group.min())} .. {int(group.max())}")
-    _, h, n, d = query.shape
-    out, lse = torch.empty(1, n, h, d), torch.empty(h * n)
-    lse_prompts, lse_rows = _lse_parts(lse, query, group, cut, width, fed)
     (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
-    _run_forward(qp, kp, vp, None, _mask_bytes(prompt_mask, width, width), scale, out[0, :cut],
-                 lse_prompts)
-    _run_forward(qr, kr, vr, (kp, vp, group), _mask_bytes(rows_mask, fed, width + fed), scale, out[0, cut:],
-                 lse_rows)
+    _run_forward(qp, kp, vp, None, prompts_mask, scale, out[0, :cut], lse_prompts)
+    _run_forward(qr, kr, vr, (kp, vp, group), rows_bytes, scale, out[0, cut:], lse_rows)
     return out, lse
 
 
@@ -292,18 +295,16 @@ def _shared_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """One flat gradient each for the queries, keys and values, contiguous (1, heads, N, D): a compiled
     block's backward takes its gradients in that layout (AOTAutograd's tangents with dynamic shapes)
     and copied any other (2 ms a tiny step)."""
-    cut, width, fed, _ = _shared_sizes(query, group, rows_mask)
-    group = group.contiguous().long()
-    lse_prompts, lse_rows = _lse_parts(lse, query, group, cut, width, fed)
+    (cut, width, fed), group, (prompts_mask, rows_bytes), (lse_prompts, lse_rows) = _shared_layout(
+        query, group, prompt_mask, rows_mask, lse)
     out, grad_out = out[0], grad_out[0].contiguous()
     dq, dk, dv = torch.empty(query.shape), torch.empty(key.shape), torch.empty(value.shape)
     (qp, qr), (kp, kr), (vp, vr) = (split_flat(x, cut, width, fed) for x in (query, key, value))
     (dqp, dqr), (dkp, dkr), (dvp, dvr) = (split_flat(x, cut, width, fed) for x in (dq, dk, dv))
-    _run_backward(qp, kp, vp, None, _mask_bytes(prompt_mask, width, width), scale, out[:cut],
-                  grad_out[:cut], lse_prompts, dqp, dkp, dvp)
+    _run_backward(qp, kp, vp, None, prompts_mask, scale, out[:cut], grad_out[:cut], lse_prompts, dqp, dkp, dvp)
     # each prompt's keys and values: their own gradient (above), plus all its rows'
-    _run_backward(qr, kr, vr, (kp, vp, group), _mask_bytes(rows_mask, fed, width + fed), scale, out[cut:],
-                  grad_out[cut:], lse_rows, dqr, dkr, dvr, (dkp, dvp))
+    _run_backward(qr, kr, vr, (kp, vp, group), rows_bytes, scale, out[cut:], grad_out[cut:], lse_rows, dqr, dkr,
+                  dvr, (dkp, dvp))
     return dq, dk, dv
 
 

@@ -103,9 +103,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
 def _gathered_attention(module: nn.Module, query, key, value, share: _Share, **kwargs):
     """``_attention`` without the kernels: the prompt keys and values gathered per row, each part
     through ``cpu_attention.hf_attention`` (sdpa)."""
-    fed = share.response_mask.shape[2]
-    width = share.response_mask.shape[3] - fed
-    cut = query.shape[2] - share.index.shape[0] * fed
+    cut, width, fed = cpu_attention.flat_sizes(query, share.index, share.response_mask)
     (q_prompt, q_rows), (k_prompt, k_rows), (v_prompt, v_rows) = (
         cpu_attention.split_flat(x, cut, width, fed) for x in (query, key, value))
     kwargs.pop("is_causal", None)
