@@ -650,6 +650,59 @@ void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float 
     }
     if (stream) _mm_sfence();
 }
+
+/* ------------------------------------------------------------------ SwiGLU
+ * A gated MLP's down_proj(silu(gate) * up) (Llama, Qwen2, SmolLM2): silu(g) u = g u / (1 + exp(-g))
+ * forward, and both gradients in one pass backward, with s = sigmoid(g): d_up = dh g s and d_gate =
+ * dh u s (1 + g (1 - s)), torch's silu_backward. Inductor's fused loops took 7.5 ms forward and 12
+ * ms backward per layer of the tiny benchmark's update ((8288, 384) operands, a Zen 1, one thread),
+ * most of it in their exponential; these take about 6.5 and 8. */
+#define SWIGLU_BLOCK 4096 /* floats per parallel chunk */
+
+/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp's range it would overflow, and
+ * silu(g) for g < -88 is below 1e-36 either way */
+static inline hv exp_neg(hv g) { return hv_exp(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
+
+static inline hv swiglu16(hv g, hv u) { return hv_div(hv_mul(g, u), hv_add(hv_set1(1.f), exp_neg(g))); }
+
+static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
+    const hv one = hv_set1(1.f);
+    hv e = exp_neg(g), s = hv_div(one, hv_add(one, e)), ds = hv_mul(dh, s);
+    *du = hv_mul(ds, g);
+    *dg = hv_mul(hv_mul(ds, u), hv_fmadd(g, hv_sub(one, s), one));
+}
+
+/* h[i] = silu(g[i]) u[i] for n floats */
+void hr_swiglu(const float *g, const float *u, float *h, int64_t n, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 4 * SWIGLU_BLOCK)
+    for (int64_t b = 0; b < n; b += SWIGLU_BLOCK) {
+        int64_t end = b + SWIGLU_BLOCK < n ? b + SWIGLU_BLOCK : n, i = b;
+        for (; i + 16 <= end; i += 16) hv_storeu(h + i, swiglu16(hv_loadu(g + i), hv_loadu(u + i)));
+        if (i < end) {
+            hm m = lanes(end - i);
+            hv_mask_storeu(h + i, m, swiglu16(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i)));
+        }
+    }
+}
+
+/* dg, du: the gradients of hr_swiglu's h for dh */
+void hr_swiglu_backward(const float *g, const float *u, const float *dh, float *dg, float *du, int64_t n,
+                        int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 4 * SWIGLU_BLOCK)
+    for (int64_t b = 0; b < n; b += SWIGLU_BLOCK) {
+        int64_t end = b + SWIGLU_BLOCK < n ? b + SWIGLU_BLOCK : n, i = b;
+        hv a, c;
+        for (; i + 16 <= end; i += 16) {
+            swiglu_backward16(hv_loadu(g + i), hv_loadu(u + i), hv_loadu(dh + i), &a, &c);
+            hv_storeu(dg + i, a), hv_storeu(du + i, c);
+        }
+        if (i < end) {
+            hm m = lanes(end - i);
+            swiglu_backward16(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i), hv_maskz_loadu(m, dh + i), &a, &c);
+            hv_mask_storeu(dg + i, m, a), hv_mask_storeu(du + i, m, c);
+        }
+    }
+}
 #else
 int hr_attention_supported(void) { return 0; }
 #endif

@@ -21,8 +21,9 @@ row) and add their gradients to the prompt's in row order.
 The same library holds the loss's token log-probs (``token_logprob`` and its backward), which
 ``TrainEngine`` uses for fp32 CPU logits: log_softmax(logits)[target] without making the whole
 log_softmax tensor, and its gradient in one pass; and ``transposed``, the transposed copies the
-weight gradients' inner products read (``hybridrl.utils.cpu_matmul``). ``HYBRIDRL_CPU_ATTENTION=0``
-turns all of them off.
+weight gradients' inner products read (``hybridrl.utils.cpu_matmul``); and the SwiGLU of gated MLPs,
+``silu(gate) * up`` and its two gradients in one pass each (``hybridrl.engine.swiglu``).
+``HYBRIDRL_CPU_ATTENTION=0`` turns all of them off.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from hybridrl.utils import native_build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register", "shared_prompt_attention",
-           "shared_prompt_usable", "simd_width", "split_flat", "token_logprob", "token_logprob_backward", "token_usable",
+__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register",
+           "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
+           "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_usable",
            "transposed", "usable", "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -73,6 +75,9 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.hr_token_logprob.restype = lib.hr_token_logprob_backward.restype = None
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
+    lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _PTR, _I64, _INT], None
+    lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
+    lib.hr_swiglu_backward.restype = None
     return lib
 
 
@@ -458,6 +463,29 @@ def token_logprob_backward(logits: torch.Tensor, targets: torch.Tensor, stats: t
                                          grad.data_ptr(), targets.numel(), logits.shape[-1], out.data_ptr(),
                                          torch.get_num_threads())
     return out
+
+
+def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether ``swiglu`` takes these operands: fp32 CPU tensors of one shape (any strides)."""
+    return (gate.device.type == "cpu" and up.device.type == "cpu" and gate.dtype == torch.float32
+            and up.dtype == torch.float32 and gate.shape == up.shape and available())
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, contiguous, for operands ``swiglu_usable`` takes."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape)
+    _library().hr_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
+    return out
+
+
+def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (gate's, up's) of ``swiglu``'s output for ``grad`` (same shape), in one pass."""
+    gate, up, grad = gate.contiguous(), up.contiguous(), grad.contiguous()
+    d_gate, d_up = torch.empty(gate.shape), torch.empty(gate.shape)
+    _library().hr_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), d_gate.data_ptr(),
+                                  d_up.data_ptr(), gate.numel(), torch.get_num_threads())
+    return d_gate, d_up
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real
 from hybridrl.engine.replicate import broadcast_parameters, sum_gradients
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
 from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
+from hybridrl.engine.swiglu import use_fused_swiglu
 from hybridrl.protocol import DataProto
 from hybridrl.utils.cpu_matmul import use_onednn_linears
 
@@ -126,6 +127,8 @@ class TrainEngine:
             use_onednn_linears(model)
             # attention through hybridrl's AVX-512 kernels instead of torch's (hybridrl.engine.cpu_attention)
             cpu_attention.use_for(model)
+            # the gated MLPs' silu(gate) * up through the same kernels (hybridrl.engine.swiglu)
+            use_fused_swiglu(model)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         if torch_compile:

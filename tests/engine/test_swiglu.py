@@ -1,0 +1,120 @@
+"""hybridrl.engine.swiglu: the gated MLP's silu(gate) * up through the CPU kernels against torch's
+ops, values and gradients, and which models' MLPs take it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hybridrl.engine import cpu_attention
+from hybridrl.engine.swiglu import swiglu, use_fused_swiglu
+from tests.engine.helpers import build_model, tiny_config
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU kernels not built here (AVX-512 or AVX2 + FMA)")
+
+
+def _both(gate, up, grad):
+    """(output, gate's gradient, up's gradient) of ``swiglu`` and of torch's ops."""
+    results = []
+    for fn in (swiglu, lambda g, u: F.silu(g) * u):
+        g, u = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+        out = fn(g, u)
+        out.backward(grad)
+        results.append((out.detach(), g.grad, u.grad))
+    return results
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 17, 33), (128, 384), (9000, 3)])
+def test_values_and_gradients_match_torch(shape):
+    """Sizes that are and are not multiples of the kernels' 16 floats, and more than one parallel
+    chunk (4096 floats); gates as large as an activation gets, both signs."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(shape, generator=gen) * s for s in (6.0, 1.0, 1.0))
+    mine, ref = _both(gate, up, grad)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_extreme_gates_give_torchs_limits():
+    """silu(g) -> 0 far below zero (no overflow of exp(-g) into inf / inf), -> g far above; a NaN
+    gate stays NaN."""
+    gate = torch.tensor([-1e4, -100.0, -88.5, -87.0, 0.0, 87.0, 100.0, 1e4, float("nan")])
+    up = torch.full_like(gate, 2.0)
+    mine, ref = _both(gate, up, torch.ones_like(gate))
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+def test_strided_operands_and_two_threads():
+    """Transposed views are read as their values; two threads give the same floats as one."""
+    gen = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(300, 200, generator=gen).t(), torch.randn(300, 200, generator=gen).t()
+    grad = torch.randn(200, 300, generator=gen)
+    torch.testing.assert_close(swiglu(gate, up), F.silu(gate) * up, rtol=2e-6, atol=2e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _both(gate, up, grad)[0]
+        torch.set_num_threads(2)
+        two = _both(gate, up, grad)[0]
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_other_dtypes_take_torchs_ops():
+    gate, up = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    assert not cpu_attention.swiglu_usable(gate, up)
+    assert not cpu_attention.swiglu_usable(torch.randn(5, 8), torch.randn(8, 5))
+    assert torch.equal(swiglu(gate, up), F.silu(gate) * up)
+
+
+def test_compiled_function_has_no_graph_break():
+    """The op is opaque to torch.compile: one graph, the same numbers as eager."""
+    from torch._dynamo.utils import counters
+
+    def mlp(x, w_gate, w_up):
+        return swiglu(x @ w_gate, x @ w_up).sum(-1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(2)
+    x, w_gate, w_up = torch.randn(6, 8, generator=gen), torch.randn(8, 24, generator=gen), torch.randn(8, 24, generator=gen)
+    compiled = torch.compile(mlp, dynamic=True)
+    torch.testing.assert_close(compiled(x, w_gate, w_up), mlp(x, w_gate, w_up))
+    assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_models_match_unfused(arch):
+    """Every MLP of a Qwen2 / Llama model takes the op; logits and parameter gradients equal those of
+    the same model with torch's ops, and the state dict is untouched."""
+    def make():
+        torch.manual_seed(0)
+        if arch == "qwen2":
+            return build_model()
+        config = LlamaConfig(**tiny_config().to_diff_dict() | {"model_type": "llama"})
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    fused, plain = make(), make()
+    assert use_fused_swiglu(fused) == fused.config.num_hidden_layers
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(1, 90, (3, 11), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for model in (fused, plain):
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        outs.append((logits.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_other_activations_are_left_alone(monkeypatch):
+    """A GELU-gated MLP is not a SwiGLU; and without the kernels nothing is changed."""
+    gelu = build_model(hidden_act="gelu")
+    assert use_fused_swiglu(gelu) == 0
+    assert all("forward" not in vars(m) for m in gelu.modules())
+    monkeypatch.setattr(cpu_attention, "_library", lambda: None)
+    assert use_fused_swiglu(build_model()) == 0
