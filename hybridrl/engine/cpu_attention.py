@@ -22,7 +22,8 @@ The same library holds the loss's token log-probs (``token_logprob`` and its bac
 ``TrainEngine`` uses for fp32 CPU logits: log_softmax(logits)[target] without making the whole
 log_softmax tensor, and its gradient in one pass; and ``transposed``, the transposed copies the
 weight gradients' inner products read (``hybridrl.utils.cpu_matmul``); and the SwiGLU of gated MLPs,
-``silu(gate) * up`` and its two gradients in one pass each (``hybridrl.engine.swiglu``).
+``silu(gate) * up`` and its two gradients in one pass each, and RMSNorm forward and backward
+(``hybridrl.engine.cpu_layers``).
 ``HYBRIDRL_CPU_ATTENTION=0`` turns all of them off.
 """
 
@@ -40,7 +41,8 @@ from hybridrl.utils import native_build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register",
+__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register", "rms_norm",
+           "rms_norm_backward", "rms_norm_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
            "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_usable",
            "transposed", "usable", "use_for"]
@@ -78,6 +80,9 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _PTR, _I64, _INT], None
     lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
     lib.hr_swiglu_backward.restype = None
+    lib.hr_rms_norm.argtypes, lib.hr_rms_norm.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None
+    lib.hr_rms_norm_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
+    lib.hr_rms_norm_backward.restype = None
     return lib
 
 
@@ -486,6 +491,41 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) ->
     _library().hr_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), d_gate.data_ptr(),
                                   d_up.data_ptr(), gate.numel(), torch.get_num_threads())
     return d_gate, d_up
+
+
+NORM_BLOCK = 64  # rows per partial sum of the RMSNorm weight's gradient (cpu_attention.c)
+
+
+def rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` takes these operands: fp32 CPU, ``weight`` (C,) for ``x`` (..., C)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() >= 1 and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))`` for operands ``rms_norm_usable`` takes, and each
+    row's 1 / sqrt(mean + eps) (``x.shape[:-1]``) for ``rms_norm_backward``."""
+    x, weight = x.contiguous(), weight.contiguous()
+    out, rstd = torch.empty(x.shape), torch.empty(x.shape[:-1])
+    cols = x.shape[-1]
+    _library().hr_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // max(cols, 1),
+                           cols, eps, torch.get_num_threads())
+    return out, rstd
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (x's, weight's) of ``rms_norm``'s output for ``grad``, in one pass over the rows;
+    the same floats on any number of threads."""
+    x, weight, rstd, grad = x.contiguous(), weight.contiguous(), rstd.contiguous(), grad.contiguous()
+    cols = x.shape[-1]
+    rows = x.numel() // max(cols, 1)
+    d_x, d_weight = torch.empty(x.shape), torch.empty(cols)
+    partial = torch.empty(-(-rows // NORM_BLOCK), cols)
+    _library().hr_rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad.data_ptr(), d_x.data_ptr(),
+                                    d_weight.data_ptr(), partial.data_ptr(), rows, cols, torch.get_num_threads())
+    return d_x, d_weight
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch import nn
 from hybridrl.engine import checkpoint as ckpt
 from hybridrl.engine import cpu_attention
 from hybridrl.engine.compile import compile_blocks
+from hybridrl.engine.cpu_layers import use_cpu_layers
 from hybridrl.engine.distributed import all_reduce_max, default_device
 from hybridrl.engine.fsdp import resolve_dtype, shard_model
 from hybridrl.engine.lr_schedule import build_lr_scheduler
@@ -41,7 +42,6 @@ from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real
 from hybridrl.engine.replicate import broadcast_parameters, sum_gradients
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
 from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
-from hybridrl.engine.swiglu import use_fused_swiglu
 from hybridrl.protocol import DataProto
 from hybridrl.utils.cpu_matmul import use_onednn_linears
 
@@ -127,8 +127,8 @@ class TrainEngine:
             use_onednn_linears(model)
             # attention through hybridrl's AVX-512 kernels instead of torch's (hybridrl.engine.cpu_attention)
             cpu_attention.use_for(model)
-            # the gated MLPs' silu(gate) * up through the same kernels (hybridrl.engine.swiglu)
-            use_fused_swiglu(model)
+            # the gated MLPs' silu(gate) * up and the RMSNorms through the same kernels (hybridrl.engine.cpu_layers)
+            use_cpu_layers(model)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         if torch_compile:

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.engine import TrainEngine
-from hybridrl.engine.swiglu import use_fused_swiglu
+from hybridrl.engine.cpu_layers import use_cpu_layers
 from hybridrl.protocol import DataProto
 
 from .helpers import (
@@ -124,7 +124,7 @@ def test_export_hf_reloads_with_same_logits(tmp_path, tie):
     engine.train_step(data, pg_loss_fn(20))
     engine.export_hf(tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    use_fused_swiglu(reloaded)  # the engine's MLPs run hybridrl's SwiGLU kernels: the same floats
+    use_cpu_layers(reloaded)  # the engine's MLPs and norms run hybridrl's kernels: the same floats
     b = data.batch
     with torch.no_grad():
         want = engine.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits

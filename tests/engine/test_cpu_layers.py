@@ -1,5 +1,5 @@
-"""hybridrl.engine.swiglu: the gated MLP's silu(gate) * up through the CPU kernels against torch's
-ops, values and gradients, and which models' MLPs take it."""
+"""hybridrl.engine.cpu_layers: the gated MLP's silu(gate) * up and RMSNorm through the CPU kernels
+against torch's ops, values and gradients, and which models' layers take them."""
 
 import pytest
 import torch
@@ -7,10 +7,24 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hybridrl.engine import cpu_attention
-from hybridrl.engine.swiglu import swiglu, use_fused_swiglu
+from hybridrl.engine.cpu_layers import rms_norm, swiglu, use_cpu_layers
 from tests.engine.helpers import build_model, tiny_config
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU kernels not built here (AVX-512 or AVX2 + FMA)")
+
+
+def _same_on_one_and_two_threads(run):
+    """``run()``'s tensors are the same floats on one thread and on two."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
 
 
 def _both(gate, up, grad):
@@ -51,16 +65,7 @@ def test_strided_operands_and_two_threads():
     gate, up = torch.randn(300, 200, generator=gen).t(), torch.randn(300, 200, generator=gen).t()
     grad = torch.randn(200, 300, generator=gen)
     torch.testing.assert_close(swiglu(gate, up), F.silu(gate) * up, rtol=2e-6, atol=2e-6)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _both(gate, up, grad)[0]
-        torch.set_num_threads(2)
-        two = _both(gate, up, grad)[0]
-    finally:
-        torch.set_num_threads(threads)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
+    _same_on_one_and_two_threads(lambda: _both(gate, up, grad)[0])
 
 
 def test_other_dtypes_take_torchs_ops():
@@ -71,11 +76,11 @@ def test_other_dtypes_take_torchs_ops():
 
 
 def test_compiled_function_has_no_graph_break():
-    """The op is opaque to torch.compile: one graph, the same numbers as eager."""
+    """The ops are opaque to torch.compile: one graph, the same numbers as eager."""
     from torch._dynamo.utils import counters
 
     def mlp(x, w_gate, w_up):
-        return swiglu(x @ w_gate, x @ w_up).sum(-1)
+        return rms_norm(swiglu(x @ w_gate, x @ w_up), w_up[0], 1e-6).sum(-1)
 
     torch._dynamo.reset()
     counters.clear()
@@ -88,8 +93,8 @@ def test_compiled_function_has_no_graph_break():
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_fused_models_match_unfused(arch):
-    """Every MLP of a Qwen2 / Llama model takes the op; logits and parameter gradients equal those of
-    the same model with torch's ops, and the state dict is untouched."""
+    """Every MLP and norm of a Qwen2 / Llama model takes the ops; logits and parameter gradients equal
+    those of the same model with torch's ops, and the state dict is untouched."""
     def make():
         torch.manual_seed(0)
         if arch == "qwen2":
@@ -98,7 +103,8 @@ def test_fused_models_match_unfused(arch):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     fused, plain = make(), make()
-    assert use_fused_swiglu(fused) == fused.config.num_hidden_layers
+    layers = fused.config.num_hidden_layers
+    assert use_cpu_layers(fused) == {"mlp": layers, "norm": 2 * layers + 1}
     assert list(fused.state_dict()) == list(plain.state_dict())
     ids = torch.randint(1, 90, (3, 11), generator=torch.Generator().manual_seed(3))
     outs = []
@@ -112,9 +118,49 @@ def test_fused_models_match_unfused(arch):
 
 
 def test_other_activations_are_left_alone(monkeypatch):
-    """A GELU-gated MLP is not a SwiGLU; and without the kernels nothing is changed."""
+    """A GELU-gated MLP is not a SwiGLU (its norms still take the kernels); without the kernels
+    nothing is changed."""
     gelu = build_model(hidden_act="gelu")
-    assert use_fused_swiglu(gelu) == 0
-    assert all("forward" not in vars(m) for m in gelu.modules())
+    assert use_cpu_layers(gelu) == {"mlp": 0, "norm": 2 * gelu.config.num_hidden_layers + 1}
+    assert all("forward" not in vars(m) for m in gelu.modules() if type(m).__name__.endswith("MLP"))
     monkeypatch.setattr(cpu_attention, "_library", lambda: None)
-    assert use_fused_swiglu(build_model()) == 0
+    model = build_model()
+    assert use_cpu_layers(model) == {"mlp": 0, "norm": 0}
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def _rms_reference(x, weight, eps):
+    """transformers' RMSNorm forward."""
+    h = x.to(torch.float32)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _norm_both(x, weight, grad, eps=1e-6):
+    results = []
+    for fn in (rms_norm, _rms_reference):
+        xi, wi = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = fn(xi, wi, eps)
+        out.backward(grad)
+        results.append((out.detach(), xi.grad, wi.grad))
+    return results
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 7, 20), (300, 128), (2, 9, 576), (1000, 33)])
+def test_rms_norm_matches_torch(shape):
+    """Widths that are and are not multiples of 16, rows in one and in many blocks of the weight's
+    partial sums; inputs of different scales per row."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen).mul(10)
+    weight, grad = torch.randn(shape[-1], generator=gen), torch.randn(shape, generator=gen)
+    mine, ref = _norm_both(x, weight, grad)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_same_floats_on_two_threads_and_other_dtypes_take_torch():
+    gen = torch.Generator().manual_seed(5)
+    x, weight, grad = torch.randn(700, 96, generator=gen), torch.randn(96, generator=gen), torch.randn(700, 96, generator=gen)
+    _same_on_one_and_two_threads(lambda: _norm_both(x, weight, grad)[0])
+    x64 = x.double()
+    assert not cpu_attention.rms_norm_usable(x64, weight.double())
+    assert torch.equal(rms_norm(x64, weight.double(), 1e-6), _rms_reference(x64, weight.double(), 1e-6))

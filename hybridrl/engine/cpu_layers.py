@@ -1,0 +1,157 @@
+"""A decoder layer's SwiGLU and RMSNorm as single ops on CPU: hybridrl's kernels forward and backward.
+
+What a compiled block (``hybridrl.engine.compile``) leaves to inductor besides the products and the
+attention are its elementwise passes, and two of them ran far below the memory's rate on a Zen 1
+(the tiny benchmark's update, (8288, 384) and (8288, 128) operands per layer, one thread):
+
+- the gated MLP's ``silu(gate) * up`` (Llama, Qwen2, Qwen3, Mistral: ``down_proj(act_fn(gate_proj(x))
+  * up_proj(x))`` with SiLU): inductor fused it into one loop each way, whose exponential (Sleef's, to
+  1 ulp) took most of their 7.5 ms forward and 12 ms backward per layer; ``hr_swiglu`` /
+  ``hr_swiglu_backward`` take 5.9 and 8.3 (eager torch: 24 for both);
+- RMSNorm's weight gradient, a sum down the columns that inductor ran 8 columns at a time, each a pass
+  over every row of seven operands: 5.3 ms per layer for the layer's two norms. ``hr_rms_norm_backward``
+  makes the input's and the weight's gradients in one pass over the rows.
+
+``use_cpu_layers(model)`` (the training engine calls it for fp32 CPU models, like
+``use_onednn_linears``) gives each such MLP and norm a forward that calls these custom ops, which
+``torch.compile`` keeps opaque; other devices and dtypes, and machines without the kernels
+(``cpu_attention.available``), take torch's ops as before. Numbers equal torch's to float rounding
+(tested values and gradients, ``tests/engine/test_cpu_layers.py``); the norm's are the same on any
+number of threads.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.engine import cpu_attention
+
+__all__ = ["FUSED_MLPS", "FUSED_NORMS", "rms_norm", "swiglu", "use_cpu_layers"]
+
+# transformers classes whose forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+# ... and exactly ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + variance_epsilon)).to(dtype)``
+FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+_SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"])
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------------- SwiGLU
+@torch.library.custom_op("hybridrl::swiglu_v1", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return cpu_attention.swiglu(gate, up)
+
+
+@_swiglu_op.register_fake
+def _(gate, up):
+    return _contiguous_like(gate)
+
+
+@torch.library.custom_op("hybridrl::swiglu_backward_v1", mutates_args=())
+def _swiglu_backward_op(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cpu_attention.swiglu_backward(gate, up, grad)
+
+
+@_swiglu_backward_op.register_fake
+def _(gate, up, grad):
+    return _contiguous_like(gate), _contiguous_like(up)
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grads(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return _swiglu_backward_op(gate, up, grad)
+
+
+_swiglu_op.register_autograd(_swiglu_grads, setup_context=_save_inputs)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: through the kernels for fp32 CPU operands of one shape, else torch's ops."""
+    if cpu_attention.swiglu_usable(gate, up):
+        return _swiglu_op(gate, up)
+    return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------------ RMSNorm
+@torch.library.custom_op("hybridrl::rms_norm_v1", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return cpu_attention.rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return _contiguous_like(x), x.new_empty(x.shape[:-1])
+
+
+@torch.library.custom_op("hybridrl::rms_norm_backward_v1", mutates_args=())
+def _rms_norm_backward_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                          grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cpu_attention.rms_norm_backward(x, weight, rstd, grad)
+
+
+@_rms_norm_backward_op.register_fake
+def _(x, weight, rstd, grad):
+    return _contiguous_like(x), _contiguous_like(weight)
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_grads(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    d_x, d_weight = _rms_norm_backward_op(x, weight, rstd, grad)
+    return d_x, d_weight, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_grads, setup_context=_rms_norm_setup)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))``: through the kernels for fp32 CPU operands, else
+    torch's ops (as transformers' RMSNorm computes it, in fp32)."""
+    if cpu_attention.rms_norm_usable(x, weight):
+        return _rms_norm_op(x, weight, float(eps))[0]
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+# ------------------------------------------------------------------------------------- models
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def use_cpu_layers(model: nn.Module) -> dict[str, int]:
+    """Give each MLP of ``model`` whose class is one of ``FUSED_MLPS`` with a SiLU activation, and
+    each norm of a ``FUSED_NORMS`` class, the forwards above (attributes of the modules: classes,
+    parameters and state dicts stay as they are); returns how many of each. None where the
+    kernels are unavailable."""
+    counts = {"mlp": 0, "norm": 0}
+    if not cpu_attention.available():
+        return counts
+    for module in model.modules():
+        name = type(module).__name__
+        if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in _SILU:
+            module.forward = types.MethodType(_mlp_forward, module)
+            counts["mlp"] += 1
+        elif name in FUSED_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_norm_forward, module)
+            counts["norm"] += 1
+    return counts
