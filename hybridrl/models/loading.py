@@ -74,13 +74,28 @@ def load_pretrained(auto_cls, path, dtype, attn_implementation: str, trust_remot
         raise ValueError(
             f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
         )
-    return auto_cls.from_pretrained(
+    model = auto_cls.from_pretrained(
         resolve_model_dir(path),
         config=load_config(path, trust_remote_code, override_config),
         dtype=to_torch_dtype(dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
+    return without_hub_kernels(model)
+
+
+def without_hub_kernels(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` with transformers' Hub kernels turned off (``use_kernels = False``), where it has them.
+
+    transformers 5 loads every model with ``use_kernels=True`` when its dependency ``kernels`` is
+    installed, and re-kernelizes the layers on each ``train()`` / ``eval()`` that changes the mode:
+    the engine switches every step (log-probs under ``eval``, the update under ``train``), which cost
+    about 5 ms each time on the 25M model and replaced the forwards hybridrl gives its norms
+    (``hybridrl.engine.cpu_layers``) with the class's. hybridrl brings its own CPU kernels, and the
+    Hub's need a download."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
+    return model
 
 
 def load_causal_lm(
