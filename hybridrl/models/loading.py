@@ -88,11 +88,11 @@ def without_hub_kernels(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` with transformers' Hub kernels turned off (``use_kernels = False``), where it has them.
 
     transformers 5 loads every model with ``use_kernels=True`` when its dependency ``kernels`` is
-    installed, and re-kernelizes the layers on each ``train()`` / ``eval()`` that changes the mode:
-    the engine switches every step (log-probs under ``eval``, the update under ``train``), which cost
-    about 5 ms each time on the 25M model and replaced the forwards hybridrl gives its norms
-    (``hybridrl.engine.cpu_layers``) with the class's. hybridrl brings its own CPU kernels, and the
-    Hub's need a download."""
+    installed, and re-kernelizes the layers on each ``train()`` / ``eval()`` that changes the mode.
+    The engine switches every step (log-probs under ``eval``, the update under ``train``): a
+    ``train()`` and an ``eval()`` of the 25M model took 5.9 ms with them and 3.4 without, and each
+    switch replaced the forwards hybridrl gives its norms (``hybridrl.engine.cpu_layers``) with the
+    class's. hybridrl brings its own CPU kernels, and the Hub's need a download."""
     if getattr(model, "use_kernels", False):
         model.use_kernels = False
     return model
