@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from hybridrl.utils import native_build
+from hybridrl.utils.cpu_matmul import fp32_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -439,8 +440,8 @@ def use_for(model: torch.nn.Module) -> bool:
 
 def token_usable(logits: torch.Tensor) -> bool:
     """Whether ``token_logprob`` takes these logits: fp32, CPU, contiguous, a non-empty last dimension."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
-            and logits.dim() >= 1 and logits.shape[-1] > 0 and available())
+    return (fp32_cpu(logits) and logits.is_contiguous() and logits.dim() >= 1 and logits.shape[-1] > 0
+            and available())
 
 
 def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,8 +473,7 @@ def token_logprob_backward(logits: torch.Tensor, targets: torch.Tensor, stats: t
 
 def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether ``swiglu`` takes these operands: fp32 CPU tensors of one shape (any strides)."""
-    return (gate.device.type == "cpu" and up.device.type == "cpu" and gate.dtype == torch.float32
-            and up.dtype == torch.float32 and gate.shape == up.shape and available())
+    return fp32_cpu(gate, up) and gate.shape == up.shape and available()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -498,9 +498,8 @@ NORM_BLOCK = 64  # rows per partial sum of the RMSNorm weight's gradient (cpu_at
 
 def rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rms_norm`` takes these operands: fp32 CPU, ``weight`` (C,) for ``x`` (..., C)."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.dim() >= 1 and weight.dim() == 1
-            and weight.shape[0] == x.shape[-1] and available())
+    return (fp32_cpu(x, weight) and x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.engine import cpu_attention
+from hybridrl.models.utils import SILU_CLASSES
 
 __all__ = ["FUSED_MLPS", "FUSED_NORMS", "rms_norm", "swiglu", "use_cpu_layers"]
 
@@ -36,7 +37,6 @@ __all__ = ["FUSED_MLPS", "FUSED_NORMS", "rms_norm", "swiglu", "use_cpu_layers"]
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 # ... and exactly ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + variance_epsilon)).to(dtype)``
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-_SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"])
 
 
 def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ def use_cpu_layers(model: nn.Module) -> dict[str, int]:
         return counts
     for module in model.modules():
         name = type(module).__name__
-        if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in _SILU:
+        if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES:
             module.forward = types.MethodType(_mlp_forward, module)
             counts["mlp"] += 1
         elif name in FUSED_NORMS and hasattr(module, "variance_epsilon"):

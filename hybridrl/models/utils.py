@@ -17,6 +17,10 @@ from torch import nn
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+# class names of the SiLU activation modules HF models use: torch's and transformers' (ACT2FN["silu"])
+SILU_CLASSES = ("SiLU", "SiLUActivation")
+
+
 def models_dir() -> Path:
     """Root of the local model cache: ``$HYBRIDRL_MODELS_DIR`` if set, else ``~/.cache/hybridrl``.
 

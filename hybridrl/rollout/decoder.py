@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from hybridrl.models.utils import SILU_CLASSES
 from hybridrl.rollout import cpu_kernels
 from hybridrl.rollout.kv_cache import StaticKVCache
 from hybridrl.utils import cpu_matmul
@@ -176,7 +177,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 # HF's RMSNorm classes for the compact architectures: pow(2).mean + eps, rsqrt, times the weight,
 # the same operations as torch.rms_norm, which runs them in one call instead of about eight
 _PLAIN_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
-_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (both F.silu)
 
 
 def kernels_unsupported(model: PreTrainedModel) -> str:
@@ -192,7 +192,7 @@ def kernels_unsupported(model: PreTrainedModel) -> str:
     if any(m.weight.dtype != torch.float32 for m in norms):
         return "norm weights are not fp32"
     act = type(layers[0].mlp.act_fn).__name__
-    if act not in _SILU_CLASSES:
+    if act not in SILU_CLASSES:
         return f"activation {act} is not SiLU"
     attn = layers[0].self_attn
     groups = model.config.num_attention_heads // model.config.num_key_value_heads

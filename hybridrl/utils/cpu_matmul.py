@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "linear", "onednn_available", "pinned_choices",
+__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "fp32_cpu", "linear", "onednn_available", "pinned_choices",
            "use_onednn_linears", "uses_onednn", "input_grad_backend", "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
@@ -154,14 +154,15 @@ def backend() -> str:
     return _choice
 
 
-def _applies(*tensors: torch.Tensor | None) -> bool:
+def fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None skipped) is fp32 on CPU."""
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
 
 def uses_onednn(*tensors: torch.Tensor | None) -> bool:
     """Whether a product of these operands runs through oneDNN: fp32 CPU tensors where ``backend()``
     chose it (checked in that order, so other devices never time the CPU backends)."""
-    return _applies(*tensors) and backend() == "onednn"
+    return fp32_cpu(*tensors) and backend() == "onednn"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -357,7 +358,7 @@ class OneDNNLinear(nn.Linear):
     devices and dtypes take ``F.linear``. Made by ``use_onednn_linears`` from existing modules."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _applies(x, self.weight, self.bias) and not torch.is_autocast_enabled("cpu"):
+        if fp32_cpu(x, self.weight, self.bias) and not torch.is_autocast_enabled("cpu"):
             return _linear_op(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -371,7 +372,7 @@ def use_onednn_linears(model: nn.Module, force: bool = False) -> int:
         raise ValueError("oneDNN linears requested but this torch has no oneDNN")
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and _applies(module.weight, module.bias):
+        if type(module) is nn.Linear and fp32_cpu(module.weight, module.bias):
             module.__class__ = OneDNNLinear
             count += 1
     return count
