@@ -63,6 +63,7 @@ def test_forward_and_gradients_match_nn_linear(shape, out, bias, weight_grads):
     (1100, 40, 96, "transposed x"),  # a narrow input, an output at least twice as wide
     (300, 40, 96, "transposed x"),
     (1100, 40, 64, "transposed grad"),
+    (1100, 40, 200, "transposed x"),  # an output at least MKL_WIDE_OUTPUT times as wide: MKL reads x^T too
     (50, 300, 700, "transposed grad"),  # few rows
 ])
 def test_each_weight_gradient_product_matches_float64(rows, inner, out, plan, bias, weight_grads):
@@ -87,6 +88,15 @@ def test_weight_gradient_plans_of_the_benchmark_shapes():
         "transposed grad"}
     assert [plan(8320, out, 128) for out in (128, 64, 384, 1024)] == ["transposed grad"] * 2 + ["transposed x"] * 2
     assert plan(8320, 128, 384) == plan(4144, 512, 1536) == plan(4144, 1536, 512) == "transposed grad"
+
+
+def test_mkl_weight_gradient_products_of_the_benchmark_shapes():
+    """MKL computes x^T grad (transposed back) only for an LM head far wider than a narrow input:
+    the tiny model's; not its gate and up projections, nor the 25M model's or SmolLM2's LM heads."""
+    reads_x = cpu_matmul.mkl_weight_grad_reads_x
+    assert reads_x(1024, 128) and reads_x(1024, 256)
+    assert not any(reads_x(out, inner) for out, inner in [(384, 128), (256, 128), (128, 384), (64, 128),
+                                                          (1024, 512), (49152, 576), (576, 1536)])
 
 
 @pytest.mark.parametrize("inner", [16, 512, 513, 1536])

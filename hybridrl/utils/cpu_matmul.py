@@ -222,6 +222,14 @@ WEIGHT_GRAD_NARROW_INPUT = 256
 # oneDNN from one process to the next. The timing costs 0.5-0.9 s once per training process there.
 WEIGHT_GRAD_CALIBRATION_SHAPE = (1024, 1536, 512)  # rows, in, out
 WEIGHT_GRAD_MIN_SPEEDUP = 1.3
+# MKL's grad^T x ran at 29 GFLOP/s on the tiny model's LM head (8192 rows, in 128, out 1024) where
+# x^T grad, transposed back (a copy of in x out), ran at 34-37 (Zen 1, one thread; two threads 57 /
+# 63); at 1660 rows 29 / 34, the LM head of a 256-wide model 32.6 / 35.4, of a 64-wide one 23 / 30.
+# With the output 2-3 times as wide the two tie or grad^T x leads (in 128: out 384 34.5 / 34.5,
+# out 256 33.6 / 32.4), and with a wide input the copy costs more than it gains (SmolLM2's LM head,
+# in 576, out 49152: 29.8 / 28.5). So x^T grad where the input is narrow and the output at least
+# MKL_WIDE_OUTPUT times as wide.
+MKL_WIDE_OUTPUT = 4
 _weight_grad_choice: str | None = None
 
 
@@ -278,15 +286,23 @@ def weight_grad_plan(out: int, inner: int) -> str:
     return "transposed grad"
 
 
+def mkl_weight_grad_reads_x(out: int, inner: int) -> bool:
+    """Whether ``_weight_grad_op`` on MKL computes x^T grad and transposes it back rather than
+    grad^T x, for a linear (inner -> out), whatever its row count (the measurements above)."""
+    return inner <= WEIGHT_GRAD_NARROW_INPUT and out >= MKL_WIDE_OUTPUT * inner
+
+
 @torch.library.custom_op(f"hybridrl::linear_weight_grad_v{OP_VERSION}", mutates_args=())
 def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad^T x, grad summed over rows, or an empty tensor without ``with_bias``) for grad (m, out),
-    x (m, in): through MKL where ``weight_grad_backend()`` chose it, else oneDNN's ``weight_grad_plan``."""
+    x (m, in): through MKL where ``weight_grad_backend()`` chose it (``mkl_weight_grad_reads_x`` picks
+    the product), else oneDNN's ``weight_grad_plan``."""
     if grad.shape[0] == 0:
         return grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if with_bias else 0)
-    if weight_grad_backend() == "mkl":  # MKL's sgemm reads grad^T in place
-        grad_w = torch.mm(grad.t(), x)
+    if weight_grad_backend() == "mkl":  # MKL's sgemm reads the transposed operand in place
+        grad_w = torch.mm(x.t(), grad).t().contiguous() if mkl_weight_grad_reads_x(
+            grad.shape[1], x.shape[1]) else torch.mm(grad.t(), x)
     else:
         grad_w = _onednn_weight_grad(grad, x)
     return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
