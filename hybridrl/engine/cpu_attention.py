@@ -74,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_attention_backward.argtypes = (_OPERANDS + [_PTR, _PTR, _PTR] + _TENSOR + [_PTR, _PTR, _I64, _I64, _I64]
                                           + [_PTR, _PTR, _I64, _I64, _I64] + _SHAPE)
     lib.hr_attention_forward.restype = lib.hr_attention_backward.restype = _INT
-    lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT]
     lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.hr_token_logprob.restype = lib.hr_token_logprob_backward.restype = None
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
@@ -444,29 +444,33 @@ def token_usable(logits: torch.Tensor) -> bool:
             and available())
 
 
-def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprob(logits: torch.Tensor, targets: torch.Tensor,
+                  keep_exps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``log_softmax(logits)[targets]`` over the last dimension, shaped like ``targets`` (``logits (..., V)``,
-    ``targets (...)`` int64 in [0, V)), for logits ``token_usable`` takes; and each row's (max,
-    sum of exp(logits - max)), ``targets.shape + (2,)``, for ``token_logprob_backward``."""
+    ``targets (...)`` int64 in [0, V)), for logits ``token_usable`` takes; each row's (max, sum of
+    exp(logits - max)), ``targets.shape + (2,)``; and with ``keep_exps`` those exponentials, shaped like
+    the logits (else None): ``token_logprob_backward`` reads the last two instead of the logits."""
     vocab = logits.shape[-1]
     targets = targets.contiguous().long()
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         bad = targets[(targets < 0) | (targets >= vocab)][0]
         raise IndexError(f"token_logprob: target token id {int(bad)} outside the logits' vocabulary of {vocab}")
     out, stats = torch.empty(targets.shape), torch.empty(*targets.shape, 2)
+    exps = torch.empty_like(logits) if keep_exps else None
     _library().hr_token_logprob(logits.data_ptr(), targets.data_ptr(), targets.numel(), vocab, out.data_ptr(),
-                                stats.data_ptr(), torch.get_num_threads())
-    return out, stats
+                                stats.data_ptr(), exps.data_ptr() if keep_exps else None, torch.get_num_threads())
+    return out, stats, exps
 
 
-def token_logprob_backward(logits: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor,
+def token_logprob_backward(exps: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor,
                            grad: torch.Tensor) -> torch.Tensor:
     """The logits' gradient of ``token_logprob``'s first output for ``grad`` (shaped like targets):
-    ``grad * (onehot(targets) - softmax(logits))``, in one pass."""
-    out = torch.empty_like(logits)
+    ``grad * (onehot(targets) - softmax(logits))``, in one pass over the exponentials and the stats
+    ``token_logprob(..., keep_exps=True)`` returned (they are left as they are)."""
+    out = torch.empty_like(exps)
     grad = grad.contiguous()
-    _library().hr_token_logprob_backward(logits.data_ptr(), targets.contiguous().long().data_ptr(), stats.data_ptr(),
-                                         grad.data_ptr(), targets.numel(), logits.shape[-1], out.data_ptr(),
+    _library().hr_token_logprob_backward(exps.data_ptr(), targets.contiguous().long().data_ptr(), stats.data_ptr(),
+                                         grad.data_ptr(), targets.numel(), exps.shape[-1], out.data_ptr(),
                                          torch.get_num_threads())
     return out
 

@@ -1,5 +1,7 @@
 """Response log-probs and entropy from a micro-batch's logits: the fused path against plain autograd."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -38,18 +40,18 @@ def test_next_token_log_prob_matches_autograd_values_and_gradients():
 
 
 @needs_kernels
-@pytest.mark.parametrize("vocab", [16, 1037, 49152])
-def test_fp32_kernels_match_float64_log_softmax_values_and_gradients(vocab, monkeypatch):
+@pytest.mark.parametrize(("rows", "vocab"), [(7, 16), (7, 1037), (7, 49152), (1050, 1024)])
+def test_fp32_kernels_match_float64_log_softmax_values_and_gradients(rows, vocab, monkeypatch):
     """fp32 CPU logits go through hybridrl's kernels (no log_softmax tensor); values and the
     logits' gradient against float64 autograd within twice torch's own fp32 error, a vocabulary not
-    a multiple of 16 included."""
+    a multiple of 16 included, and a gradient large enough to be written with streaming stores."""
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(2, 7, vocab, generator=gen) * 5
-    targets = torch.randint(0, vocab, (2, 7), generator=gen)
-    weights = torch.randn(2, 7, generator=gen)
+    logits = torch.randn(2, rows, vocab, generator=gen) * 5
+    targets = torch.randint(0, vocab, (2, rows), generator=gen)
+    weights = torch.randn(2, rows, generator=gen)
     calls = []
     forward = cpu_attention.token_logprob
-    monkeypatch.setattr(cpu_attention, "token_logprob", lambda *a: calls.append(1) or forward(*a))
+    monkeypatch.setattr(cpu_attention, "token_logprob", lambda *a, **k: calls.append(1) or forward(*a, **k))
     fused = logits.clone().requires_grad_()
     out = _NextTokenLogProb.apply(fused, targets)
     (out * weights).sum().backward()
@@ -65,6 +67,41 @@ def test_fp32_kernels_match_float64_log_softmax_values_and_gradients(vocab, monk
 
     assert error(out, ref.detach()) <= 2 * error(plain.detach(), ref.detach()) + 1e-7
     assert error(fused.grad, exact.grad) <= 2 * error(torch32.grad, exact.grad) + 1e-8
+
+
+@needs_kernels
+def test_fp32_backward_reads_the_kept_exponentials_not_the_logits(monkeypatch):
+    """With a backward to come the forward keeps exp(logits - max) and drops the logits (freed with
+    their last reference); the backward leaves what it read as it was, so a retained graph's second
+    backward gives the same gradient; without one (no_grad) nothing is kept."""
+    gen = torch.Generator().manual_seed(3)
+    leaf = (torch.randn(3, 5, 100, generator=gen) * 4).requires_grad_()
+    targets = torch.randint(0, 100, (3, 5), generator=gen)
+    logits = leaf * 1.0
+    alive = weakref.ref(logits)
+    out = _NextTokenLogProb.apply(logits, targets)
+    kept = out.grad_fn.saved_tensors[0]
+    torch.testing.assert_close(kept, torch.exp(logits - logits.amax(-1, keepdim=True)), rtol=2e-7, atol=0)
+    del logits
+    assert alive() is None
+    weights = torch.randn(3, 5, generator=gen)
+    (out * weights).sum().backward(retain_graph=True)
+    first = leaf.grad.clone()
+    torch.testing.assert_close(first, torch.func.grad(lambda z: (torch.log_softmax(z, -1).gather(
+        -1, targets[..., None]).squeeze(-1) * weights).sum())(leaf.detach()), rtol=1e-5, atol=1e-6)
+    leaf.grad = None
+    (out * weights).sum().backward()
+    assert torch.equal(leaf.grad, first)
+
+    kept_flags = []
+    forward = cpu_attention.token_logprob
+    monkeypatch.setattr(cpu_attention, "token_logprob",
+                        lambda *a, **k: kept_flags.append(k.get("keep_exps")) or forward(*a, **k))
+    with torch.no_grad():
+        _NextTokenLogProb.apply(leaf, targets, torch.is_grad_enabled())
+    _NextTokenLogProb.apply(leaf.detach(), targets)
+    _NextTokenLogProb.apply(leaf, targets)
+    assert kept_flags == [False, False, True]
 
 
 @needs_kernels
