@@ -42,8 +42,8 @@ from hybridrl.utils.cpu_matmul import fp32_cpu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "hf_attention", "register", "rms_norm",
-           "rms_norm_backward", "rms_norm_usable",
+__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "register", "rms_norm",
+           "rms_norm_backward", "rms_norm_usable", "rope", "rope_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
            "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_usable",
            "transposed", "usable", "use_for"]
@@ -84,6 +84,9 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_rms_norm.argtypes, lib.hr_rms_norm.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None
     lib.hr_rms_norm_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
     lib.hr_rms_norm_backward.restype = None
+    lib.hr_rope.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64,
+                            _I64, _INT, _INT]
+    lib.hr_rope.restype = None
     return lib
 
 
@@ -542,4 +545,34 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     out = torch.empty(cols, rows)
     _library().hr_transpose(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rope`` takes these operands: fp32 CPU, ``x (B, H, T, D)`` and ``cos``, ``sin`` ``(B or 1,
+    T, D)`` of one layout, each with its last dimension contiguous, D a multiple of 32."""
+    if not (fp32_cpu(x, cos, sin) and x.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+            and cos.stride() == sin.stride() and available()):
+        return False
+    b, _, t, d = x.shape
+    return (d % 32 == 0 and cos.shape[1:] == (t, d) and cos.shape[0] in (1, b) and x.stride(-1) == 1
+            and cos.stride(-1) == 1)
+
+
+def heads_layout(shape: torch.Size) -> torch.Tensor:
+    """An empty ``(B, H, T, D)`` tensor laid out as ``(B, T, H, D)``: the transposed view of a projection's output."""
+    b, h, t, d = shape
+    return torch.empty(b, t, h, d).transpose(1, 2)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` (transformers' rotary embedding, cos and sin broadcast over the
+    heads) for operands ``rope_usable`` takes, in ``x``'s layout; ``backward``: the gradient of that
+    for ``x`` = the output's gradient, ``g cos + rotate_half^T(g sin)``, laid out as ``(B, T, H, D)``
+    (the heads' projection's layout, whose gradient it becomes without a copy)."""
+    out = heads_layout(x.shape) if backward else torch.empty_like(x)
+    b, h, t, d = x.shape
+    csb = cos.stride(0) if cos.shape[0] > 1 else 0
+    _library().hr_rope(x.data_ptr(), *x.stride()[:3], cos.data_ptr(), sin.data_ptr(), csb, cos.stride(1), b, h, t, d,
+                       out.data_ptr(), *out.stride()[:3], int(backward), torch.get_num_threads())
     return out

@@ -1,13 +1,14 @@
-"""hybridrl.engine.cpu_layers: the gated MLP's silu(gate) * up and RMSNorm through the CPU kernels
-against torch's ops, values and gradients, and which models' layers take them."""
+"""hybridrl.engine.cpu_layers: the gated MLP's silu(gate) * up, RMSNorm and the rotary embedding
+through the CPU kernels against torch's ops, values and gradients, and which models' layers take them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.qwen2 import modeling_qwen2
 
 from hybridrl.engine import cpu_attention
-from hybridrl.engine.cpu_layers import rms_norm, swiglu, use_cpu_layers
+from hybridrl.engine.cpu_layers import rms_norm, rope, swiglu, use_cpu_layers
 from tests.engine.helpers import build_model, tiny_config
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU kernels not built here (AVX-512 or AVX2 + FMA)")
@@ -104,7 +105,7 @@ def test_fused_models_match_unfused(arch):
 
     fused, plain = make(), make()
     layers = fused.config.num_hidden_layers
-    assert use_cpu_layers(fused) == {"mlp": layers, "norm": 2 * layers + 1}
+    assert use_cpu_layers(fused) == {"mlp": layers, "norm": 2 * layers + 1, "rope": layers}
     assert list(fused.state_dict()) == list(plain.state_dict())
     ids = torch.randint(1, 90, (3, 11), generator=torch.Generator().manual_seed(3))
     outs = []
@@ -121,11 +122,12 @@ def test_other_activations_are_left_alone(monkeypatch):
     """A GELU-gated MLP is not a SwiGLU (its norms still take the kernels); without the kernels
     nothing is changed."""
     gelu = build_model(hidden_act="gelu")
-    assert use_cpu_layers(gelu) == {"mlp": 0, "norm": 2 * gelu.config.num_hidden_layers + 1}
+    layers = gelu.config.num_hidden_layers
+    assert use_cpu_layers(gelu) == {"mlp": 0, "norm": 2 * layers + 1, "rope": layers}
     assert all("forward" not in vars(m) for m in gelu.modules() if type(m).__name__.endswith("MLP"))
     monkeypatch.setattr(cpu_attention, "_library", lambda: None)
     model = build_model()
-    assert use_cpu_layers(model) == {"mlp": 0, "norm": 0}
+    assert use_cpu_layers(model) == {"mlp": 0, "norm": 0, "rope": 0}
     assert all("forward" not in vars(m) for m in model.modules())
 
 
@@ -164,3 +166,100 @@ def test_rms_norm_same_floats_on_two_threads_and_other_dtypes_take_torch():
     x64 = x.double()
     assert not cpu_attention.rms_norm_usable(x64, weight.double())
     assert torch.equal(rms_norm(x64, weight.double(), 1e-6), _rms_reference(x64, weight.double(), 1e-6))
+
+
+# ------------------------------------------------------------------------ rotary embedding
+def _transformers_rope():
+    """transformers' own apply_rotary_pos_emb, whether or not use_cpu_layers has stood in for it."""
+    fn = modeling_qwen2.apply_rotary_pos_emb
+    return getattr(fn, "hybridrl_original", fn)
+
+
+def _rope_operands(b, heads, kv_heads, t, d, cos_rows, seed=0):
+    """q, k as the attention makes them (its projections' (b, t, heads * d) outputs viewed as (b, heads,
+    t, d)), and cos, sin (cos_rows, t, d) as its rotary embedding does (two copies of the frequencies)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, heads * d, generator=gen).view(b, t, heads, d).transpose(1, 2)
+    k = torch.randn(b, t, kv_heads * d, generator=gen).view(b, t, kv_heads, d).transpose(1, 2)
+    pos = torch.randint(0, 500, (cos_rows, t), generator=gen).float()
+    freqs = pos[..., None] / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([freqs, freqs], -1)
+    return q, k, emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize(("b", "heads", "kv_heads", "d", "cos_rows"), [(2, 4, 2, 32, 2), (1, 3, 3, 64, 1), (3, 2, 1, 96, 1)])
+def test_rope_equals_transformers_floats_forward_and_backward(b, heads, kv_heads, d, cos_rows):
+    """The kernel makes the same floats as transformers' eager rotary embedding (one product, one
+    product and one addition each way), in the projections' layout, and its gradients likewise;
+    on one thread and on two."""
+    q, k, cos, sin = _rope_operands(b, heads, kv_heads, 13, d, cos_rows)
+    grads = torch.randn(q.shape), torch.randn(k.shape)
+
+    def run(fn):
+        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        out = fn(qq, kk, cos, sin)
+        torch.autograd.backward(out, grads)
+        return out[0].detach(), out[1].detach(), qq.grad, kk.grad
+
+    ours, theirs = run(rope), run(_transformers_rope())
+    for a, b_ in zip(ours, theirs):
+        assert torch.equal(a, b_)
+    assert ours[0].stride() == q.stride()  # the forward keeps the layout the attention reads
+    _same_on_one_and_two_threads(lambda: run(rope))
+
+
+def test_rope_leaves_what_it_does_not_take_to_transformers():
+    """None (the dispatcher then calls transformers' function) for a head size not a multiple of 32,
+    another unsqueeze_dim, bf16, cos with a gradient, or cos for other positions."""
+    q, k, cos, sin = _rope_operands(1, 2, 2, 5, 32, 1)
+    assert rope(q, k, cos, sin) is not None
+    q48, k48, cos48, sin48 = _rope_operands(1, 2, 2, 5, 48, 1)
+    assert rope(q48, k48, cos48, sin48) is None
+    assert rope(q, k, cos, sin, unsqueeze_dim=2) is None
+    assert rope(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16()) is None
+    assert rope(q, k, cos.clone().requires_grad_(), sin) is None
+    assert rope(q, k, cos[:, :4], sin[:, :4]) is None
+
+
+def test_use_cpu_layers_points_the_modeling_modules_rope_at_the_kernel_once():
+    """The attention's forward calls its modeling module's global apply_rotary_pos_emb: after
+    use_cpu_layers that is hybridrl's dispatcher (transformers' function behind it), set once however
+    many models take it, and a model's logits are those of transformers' function."""
+    model = build_model()
+    use_cpu_layers(model)
+    patched = modeling_qwen2.apply_rotary_pos_emb
+    assert patched.hybridrl_original is _transformers_rope() and not hasattr(patched.hybridrl_original,
+                                                                           "hybridrl_original")
+    use_cpu_layers(build_model())
+    assert modeling_qwen2.apply_rotary_pos_emb is patched
+    q, k, cos, sin = _rope_operands(1, 2, 2, 5, 48, 1)  # a size the kernel leaves: transformers' answer
+    assert all(torch.equal(a, b) for a, b in zip(patched(q, k, cos, sin), _transformers_rope()(q, k, cos, sin)))
+    ids = torch.randint(1, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        modeling_qwen2.apply_rotary_pos_emb = patched.hybridrl_original
+        try:
+            theirs = model(input_ids=ids).logits
+        finally:
+            modeling_qwen2.apply_rotary_pos_emb = patched
+    assert torch.equal(ours, theirs)
+
+
+def test_rope_compiles_with_its_layouts():
+    """Compiled, the op's declared output layouts are the ones it makes (inductor checks them; the
+    products after it hand the backward gradients in another layout than the one it returns), and
+    the values and gradients are eager's to the products' rounding."""
+    q, k, cos, sin = _rope_operands(2, 4, 2, 7, 32, 2, seed=5)
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(6))
+
+    def after(a, b):
+        return tuple(x @ w for x in rope(a, b, cos, sin))
+
+    results = []
+    for fn in (torch.compile(after, fullgraph=True), after):
+        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        out = fn(qq, kk)
+        (out[0].sum() + out[1].square().sum()).backward()
+        results.append((*[o.detach() for o in out], qq.grad, kk.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the products may round differently compiled
