@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../utils/hr_simd.h" /* hv, hm, lanes, hv_exp, transpose16, transpose_rows16 */
+#include "../utils/hr_simd.h" /* hv, hm, lanes, hv_exp_le88, transpose16, transpose_rows16 */
 
 /* The vector code this build runs: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none: unsupported). */
 int hr_simd(void) { return HR_SIMD; }
@@ -282,7 +282,7 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
             hv l = hv_set1(lse_in[r]);
             for (int64_t j = j0; j < j1; j += 16) {
                 hv x = hv_sub(hv_mul(hv_loadu(pr + j), scale), l);
-                hv_storeu(pr + j, hv_maskz_mov(allowed16(m, j, a->S), hv_exp(x)));
+                hv_storeu(pr + j, hv_maskz_mov(allowed16(m, j, a->S), hv_exp_le88(x)));
             }
         }
         return;
@@ -313,7 +313,7 @@ static void softmax_rows(const hr_att *a, int64_t b, int64_t t0, int64_t rows, f
         hv vmx = hv_set1(mx[r]);
         for (int64_t j = j0; j < j1; j += 16) {
             hv x = hv_loadu(pr + j);
-            hv e = hv_maskz_mov(hv_cmp_neq(x, neg), hv_exp(hv_sub(x, vmx)));
+            hv e = hv_maskz_mov(hv_cmp_neq(x, neg), hv_exp_le88(hv_sub(x, vmx)));
             total[r] = hv_add(total[r], e);
             hv_storeu(pr + j, e);
         }
@@ -614,22 +614,22 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         hv mx = hv_set1(m), total = hv_zero();
         if (e && stream) {
             for (j = 0; j < V; j += 16) {
-                hv x = hv_exp(hv_sub(hv_loadu(z + j), mx));
+                hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
                 total = hv_add(total, x);
                 hv_stream(e + j, x);
             }
         } else if (e) {
             for (j = 0; j + 16 <= V; j += 16) {
-                hv x = hv_exp(hv_sub(hv_loadu(z + j), mx));
+                hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
                 total = hv_add(total, x);
                 hv_storeu(e + j, x);
             }
-            hv x = hv_maskz_mov(tail, hv_exp(hv_sub(hv_maskz_loadu(tail, z + j), mx)));
+            hv x = hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx)));
             total = hv_add(total, x);
             hv_mask_storeu(e + j, tail, x);
         } else {
-            for (j = 0; j + 16 <= V; j += 16) total = hv_add(total, hv_exp(hv_sub(hv_loadu(z + j), mx)));
-            total = hv_add(total, hv_maskz_mov(tail, hv_exp(hv_sub(hv_maskz_loadu(tail, z + j), mx))));
+            for (j = 0; j + 16 <= V; j += 16) total = hv_add(total, hv_exp_le88(hv_sub(hv_loadu(z + j), mx)));
+            total = hv_add(total, hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx))));
         }
         float sum = hv_reduce_add(total);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
@@ -703,9 +703,9 @@ void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float 
  * most of it in their exponential; these take about 6.5 and 8. */
 #define SWIGLU_BLOCK 4096 /* floats per parallel chunk */
 
-/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp's range it would overflow, and
+/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp_le88's range it would overflow, and
  * silu(g) for g < -88 is below 1e-36 either way */
-static inline hv exp_neg(hv g) { return hv_exp(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
+static inline hv exp_neg(hv g) { return hv_exp_le88(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
 
 static inline hv swiglu16(hv g, hv u) { return hv_div(hv_mul(g, u), hv_add(hv_set1(1.f), exp_neg(g))); }
 
