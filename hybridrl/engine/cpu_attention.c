@@ -612,30 +612,31 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         top = hv_mask_max(top, tail, top, hv_maskz_loadu(tail, z + j));
         float m = hv_reduce_max(top);
         hv mx = hv_set1(m), total = hv_zero();
-        if (e && stream) {
-            for (j = 0; j < V; j += 16) {
-                hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
-                total = hv_add(total, x);
-                hv_stream(e + j, x);
-            }
-        } else if (e) {
-            for (j = 0; j + 16 <= V; j += 16) {
-                hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
-                total = hv_add(total, x);
-                hv_storeu(e + j, x);
-            }
-            hv x = hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx)));
+        for (j = 0; j + 16 <= V; j += 16) {
+            hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
             total = hv_add(total, x);
-            hv_mask_storeu(e + j, tail, x);
-        } else {
-            for (j = 0; j + 16 <= V; j += 16) total = hv_add(total, hv_exp_le88(hv_sub(hv_loadu(z + j), mx)));
-            total = hv_add(total, hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx))));
+            if (stream)
+                hv_stream(e + j, x);
+            else if (e)
+                hv_storeu(e + j, x);
         }
+        hv x = hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx)));
+        total = hv_add(total, x);
+        if (e && tail) hv_mask_storeu(e + j, tail, x);
         float sum = hv_reduce_add(total);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
         out[i] = (z[targets[i]] - m) - logf(sum);
     }
     if (stream) _mm_sfence();
+}
+
+/* x with v added to its lane `lane`, when that is one of its 16 (in registers: the store may stream) */
+static inline hv add_at(hv x, int64_t lane, float v) {
+    if (lane < 0 || lane >= 16) return x;
+    float block[16] __attribute__((aligned(64)));
+    hv_storeu(block, x);
+    block[lane] += v;
+    return hv_loadu(block);
 }
 
 /* d (rows, V) = -g_i exps / sum_i, plus g_i at the target: the gradient of out[i] above, from its
@@ -649,23 +650,17 @@ void hr_token_logprob_backward(const float *exps, const int64_t *targets, const 
         float *di = d + i * V;
         hv g = hv_set1(-grad[i] / stats[2 * i + 1]);
         int64_t j = 0, t = targets[i];
-        if (stream) { /* the target's block through memory the store does not stream to */
-            float block[16] __attribute__((aligned(64)));
-            for (; j < V; j += 16) {
-                hv x = hv_mul(hv_loadu(e + j), g);
-                if (t - j >= 0 && t - j < 16) {
-                    hv_storeu(block, x);
-                    block[t - j] += grad[i];
-                    x = hv_loadu(block);
-                }
+        for (; j + 16 <= V; j += 16) {
+            hv x = add_at(hv_mul(hv_loadu(e + j), g), t - j, grad[i]);
+            if (stream)
                 hv_stream(di + j, x);
-            }
-            continue;
+            else
+                hv_storeu(di + j, x);
         }
-        for (; j + 16 <= V; j += 16) hv_storeu(di + j, hv_mul(hv_loadu(e + j), g));
-        hm tail = lanes(V - j);
-        hv_mask_storeu(di + j, tail, hv_mul(hv_maskz_loadu(tail, e + j), g));
-        di[t] += grad[i];
+        if (j < V) {
+            hm tail = lanes(V - j);
+            hv_mask_storeu(di + j, tail, add_at(hv_mul(hv_maskz_loadu(tail, e + j), g), t - j, grad[i]));
+        }
     }
     if (stream) _mm_sfence();
 }

@@ -177,8 +177,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` through the kernels, or None where they do
     not take the operands (fp32 CPU ``(B, H, T, D)`` heads, ``(B or 1, T, D)`` cos and sin without
     gradients, D a multiple of 32, ``unsqueeze_dim=1``)."""
-    if (unsqueeze_dim != 1 or cos.requires_grad or sin.requires_grad or q.dim() != 4 or k.dim() != 4
-            or q.shape[0] != k.shape[0] or not cpu_attention.rope_usable(q, cos, sin)
+    if (unsqueeze_dim != 1 or cos.requires_grad or sin.requires_grad or not cpu_attention.rope_usable(q, cos, sin)
             or not cpu_attention.rope_usable(k, cos, sin)):
         return None
     return _rope_op(q, k, cos, sin)

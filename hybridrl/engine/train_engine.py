@@ -481,11 +481,11 @@ class _NextTokenLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, targets, stats = ctx.saved_tensors  # the exponentials in place of the logits with stats
+        saved, targets, stats = ctx.saved_tensors  # the kernel's exponentials (with stats), else the logits
         if stats is not None:
-            return cpu_attention.token_logprob_backward(logits, targets, stats, grad), None, None
+            return cpu_attention.token_logprob_backward(saved, targets, stats, grad), None, None
         grad = grad.unsqueeze(-1)
-        d_logits = torch.softmax(logits, dim=-1).mul_(-grad)
+        d_logits = torch.softmax(saved, dim=-1).mul_(-grad)
         return d_logits.scatter_add_(-1, targets.unsqueeze(-1), grad), None, None
 
 
