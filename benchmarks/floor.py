@@ -20,7 +20,8 @@ embeddings are lookups), L layers, D = heads x head_dim per layer:
   model work and can overlap).
 
 With several worker ranks the rows are split over them and the ranks run at once, each on its own
-cores: the floor is one rank's share, and the rate an MFU is measured against is all ranks' together.
+cores: the floor is one rank's share, and the rate an MFU is measured against is all ranks' together,
+each rank's rate measured while all of them compute (``measure_rates_together``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import queue
 import subprocess
 import time
 from dataclasses import dataclass
@@ -189,13 +191,61 @@ def results_dir(root: Path | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Machine:
-    peak_flops: float  # fp32 matmul FLOP/s
-    bandwidth: float  # memory read bytes/s
+    peak_flops: float  # fp32 matmul FLOP/s of one rank, while all ``ranks`` compute at once
+    bandwidth: float  # memory read bytes/s of one rank, likewise
     cpu: str = ""  # cpu_description()
+    ranks: int = 1  # processes measured at once (records written before the field: one)
 
     @classmethod
-    def measure(cls, peak_reps: int = 20) -> Machine:
-        return cls(measure_peak_flops(reps=peak_reps), measure_bandwidth(), cpu_description())
+    def measure(cls, peak_reps: int = 20, ranks: int = 1) -> Machine:
+        """The rates one rank gets while ``ranks`` ranks (processes with this process's thread count)
+        run at once. One rank: measured here. Several: ``measure_rates_together``; two one-thread
+        processes on a two-core Zen 1 read 36.5-37.1 GFLOP/s each where one alone read 41.0-41.5,
+        so twice one rank's rate alone would put the two cores' limit a tenth above what they do."""
+        if ranks == 1:
+            return cls(measure_peak_flops(reps=peak_reps), measure_bandwidth(), cpu_description())
+        peak, bandwidth = measure_rates_together(ranks, torch.get_num_threads(), peak_reps)
+        return cls(peak, bandwidth, cpu_description(), ranks)
+
+
+def _rank_rates(threads: int, peak_reps: int, size: int, megabytes: int, start, results) -> None:
+    """One process of ``measure_rates_together``: warm up, wait for the others, then measure."""
+    torch.set_num_threads(threads)
+    measure_peak_flops(size, reps=1)
+    start.wait()
+    results.put((os.getpid(), measure_peak_flops(size, reps=peak_reps), measure_bandwidth(megabytes)))
+
+
+def measure_rates_together(ranks: int, threads: int, peak_reps: int = 20, size: int = 1536,
+                           megabytes: int = 512) -> tuple[float, float]:
+    """Matmul FLOP/s and memory bytes/s per rank, with ``ranks`` fresh processes of ``threads``
+    threads each measuring at the same time (the mean over them): the rate each of a step's ranks can
+    reach while the others compute too, since they share the caches, memory and the chip's power."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(ranks), context.Queue()
+    workers = [context.Process(target=_rank_rates, args=(threads, peak_reps, size, megabytes, start, results))
+               for _ in range(ranks)]
+    for worker in workers:
+        worker.start()
+    rates = []
+    try:
+        while len(rates) < ranks:
+            try:
+                rates.append(results.get(timeout=1))
+            except queue.Empty:
+                failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a rate-measuring process failed (exit codes {failed}); its traceback is above") from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=60)
+            if worker.is_alive():
+                worker.kill()
+    if len({pid for pid, _, _ in rates}) != ranks:
+        raise RuntimeError(f"expected {ranks} processes to measure, got answers from {[pid for pid, _, _ in rates]}")
+    return sum(r[1] for r in rates) / ranks, sum(r[2] for r in rates) / ranks
 
 
 def _attn_pairs(length: float) -> float:
@@ -234,10 +284,10 @@ def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r:
     the old log-probs need their own forward pass (more than one mini-batch per batch).
 
     ``ranks``: the step's rows split evenly over that many worker ranks running at once, each on
-    cores of its own at ``machine``'s rates (measured at one rank's thread count). The floor is then
-    one rank's share (N / ranks prompts), and ``peak_flops`` the rate of all ranks together, which an
-    MFU divides by: two one-thread ranks on two cores have twice one thread's matmul rate, and a
-    floor at one thread's rate would read their step as twice as close to the limit as it is.
+    cores of its own at ``machine``'s rates (one rank's, measured at its thread count while as many
+    ranks measured at once: ``Machine.measure(ranks=...)``). The floor is then one rank's share
+    (N / ranks prompts), and ``peak_flops`` the rate of all ranks together, which an MFU divides by:
+    a floor at one rank's rate would read a two-rank step as twice as close to the limit as it is.
     ``flops`` are the whole step's."""
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, got {ranks}")

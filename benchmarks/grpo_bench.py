@@ -234,7 +234,7 @@ def machine_during(samples: list[Machine]) -> Machine:
     35.9 an hour later), so a floor from one measurement at the start of a file would be off by as
     much for the rows run later."""
     return Machine(statistics.median(m.peak_flops for m in samples), statistics.median(m.bandwidth for m in samples),
-                   samples[0].cpu)
+                   samples[0].cpu, samples[0].ranks)
 
 
 def bench_case(case: Case, args, with_ref: bool) -> dict:
@@ -248,7 +248,7 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
     trl: list[float] = []
     samples: list[Machine] = []
     for rep in range(args.reps):
-        samples.append(Machine.measure(peak_reps=RATE_REPS))
+        samples.append(Machine.measure(peak_reps=RATE_REPS, ranks=floor_ranks(args)))
         hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
                             args.compile == "on", tuple(args.override))[args.warmup:]
         if not args.no_trl:

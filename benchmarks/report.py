@@ -115,7 +115,8 @@ def e2e_table(rows: list[dict]) -> str:
 
 
 def peak_text(row: dict) -> str:
-    """The matmul rate the row's floor runs at: one rank's measured rate times its ranks."""
+    """The matmul rate the row's floor runs at: one rank's measured rate times its ranks (since
+    2026-12-06 each rank's rate is measured while all of them run, ``floor.measure_rates_together``)."""
     ranks = row.get("floor_ranks", 1)
     peak = row.get("floor_peak_flops", row["record"]["machine"]["peak_flops"])
     return f"{peak / 1e9:.0f}" + (f" ({ranks} x {peak / ranks / 1e9:.0f})" if ranks > 1 else "")
@@ -296,9 +297,10 @@ def machine_line(m: MachineResults) -> str:
     if not m.rows:
         return f"| {m.key} | {m.cpu} | - | - | - | - | rollout only |"
     records = list({id(r["record"]): r["record"] for r in m.rows}.values())
-    # each file's first measurement and, since 2026-12-05, the ones before each run of a row
+    # each file's first measurement and, since 2026-12-05, the ones before each run of a row (one
+    # rank's: a rank's rate while others run too is in its row's "matmul GFLOP/s (ranks)" column)
     peaks = [rec["machine"]["peak_flops"] / 1e9 for rec in records] + [
-        peak / 1e9 for r in m.rows for peak in r.get("peak_samples", [])]
+        peak / 1e9 for r in m.rows if r.get("machine", {}).get("ranks", 1) == 1 for peak in r.get("peak_samples", [])]
     bandwidths = [rec["machine"]["bandwidth"] / 1e9 for rec in records]
     threads = sorted({rec["threads"] for rec in records})
     measured = sorted({rec.get("measured", "-") for rec in records})

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -68,6 +69,30 @@ def test_the_measured_machine_records_its_cpu(monkeypatch):
     Machine.measure(peak_reps=10)
     assert reps_seen == [20, 10]
     assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
+    assert Machine(peak_flops=1.0, bandwidth=1.0).ranks == 1
+
+
+def test_several_ranks_are_measured_at_once(monkeypatch):
+    """Ranks share caches, memory and the chip: their rate is measured with all of them running."""
+    import floor
+
+    calls = []
+
+    def together(ranks, threads, peak_reps=20):
+        calls.append((ranks, threads, peak_reps))
+        return 3.6e10, 1.2e10
+
+    monkeypatch.setattr(floor, "measure_rates_together", together)
+    machine = Machine.measure(peak_reps=10, ranks=2)
+    assert machine == Machine(peak_flops=3.6e10, bandwidth=1.2e10, cpu=cpu_description(), ranks=2)
+    assert calls == [(2, torch.get_num_threads(), 10)]
+
+
+def test_rates_measured_together_come_from_separate_processes():
+    from floor import measure_rates_together
+
+    peak, bandwidth = measure_rates_together(2, threads=1, peak_reps=2, size=128, megabytes=8)
+    assert peak > 1e8 and bandwidth > 1e8
 
 
 def test_rollout_roofline_of_one_new_token_is_the_prefill_alone():
@@ -137,3 +162,5 @@ def test_a_row_is_held_to_the_machine_s_rates_during_its_runs():
     samples = [Machine(43.7e9, 16.9e9, "cpu"), Machine(35.9e9, 12.6e9, "cpu"), Machine(40e9, 14e9, "cpu")]
     assert grpo_bench.machine_during(samples) == Machine(40e9, 14e9, "cpu")
     assert grpo_bench.machine_during(samples[:2]).peak_flops == pytest.approx(39.8e9)
+    two_ranks = [Machine(36.5e9, 12e9, "cpu", 2), Machine(37.1e9, 13e9, "cpu", 2)]
+    assert grpo_bench.machine_during(two_ranks).ranks == 2
