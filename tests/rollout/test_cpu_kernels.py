@@ -138,10 +138,12 @@ def dense_kernels(kernels):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("n", "k"), [(5, 7), (48, 64), (100, 130), (960, 576), (577, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (16, 64), (24, 7), (48, 64), (88, 37), (100, 130), (128, 130), (960, 576),
+                                    (577, 1536)])
 def test_dense_matches_a_float64_matmul(dense_kernels, n, k, threads):
     # rows: one, a partial register tile, a full one, several, and past one 64-row block; columns: a
-    # partial panel, exact panels, a tail; k: under, at and over one 64-step chunk
+    # partial panel, exact panels, and last panels of 1-5 of their six 8-column vectors (5, 16, 24, 32,
+    # 40, 4 and 1 columns); k: under, at and over one 64-step chunk
     gen = torch.Generator().manual_seed(n * k)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     previous = torch.get_num_threads()
