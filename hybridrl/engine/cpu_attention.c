@@ -698,15 +698,9 @@ void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float 
  * most of it in their exponential; these take about 6.5 and 8. */
 #define SWIGLU_BLOCK 4096 /* floats per parallel chunk */
 
-/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp_le88's range it would overflow, and
- * silu(g) for g < -88 is below 1e-36 either way */
-static inline hv exp_neg(hv g) { return hv_exp_le88(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
-
-static inline hv swiglu16(hv g, hv u) { return hv_div(hv_mul(g, u), hv_add(hv_set1(1.f), exp_neg(g))); }
-
 static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
     const hv one = hv_set1(1.f);
-    hv e = exp_neg(g), s = hv_div(one, hv_add(one, e)), ds = hv_mul(dh, s);
+    hv e = hv_exp_neg(g), s = hv_div(one, hv_add(one, e)), ds = hv_mul(dh, s);
     *du = hv_mul(ds, g);
     *dg = hv_mul(hv_mul(ds, u), hv_fmadd(g, hv_sub(one, s), one));
 }
@@ -716,10 +710,10 @@ void hr_swiglu(const float *g, const float *u, float *h, int64_t n, int nthreads
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 4 * SWIGLU_BLOCK)
     for (int64_t b = 0; b < n; b += SWIGLU_BLOCK) {
         int64_t end = b + SWIGLU_BLOCK < n ? b + SWIGLU_BLOCK : n, i = b;
-        for (; i + 16 <= end; i += 16) hv_storeu(h + i, swiglu16(hv_loadu(g + i), hv_loadu(u + i)));
+        for (; i + 16 <= end; i += 16) hv_storeu(h + i, hv_swiglu(hv_loadu(g + i), hv_loadu(u + i)));
         if (i < end) {
             hm m = lanes(end - i);
-            hv_mask_storeu(h + i, m, swiglu16(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i)));
+            hv_mask_storeu(h + i, m, hv_swiglu(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i)));
         }
     }
 }

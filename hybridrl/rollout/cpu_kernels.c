@@ -54,14 +54,24 @@ void hr_add_rms_norm(float *hidden, const float *x, const float *weight, float *
     }
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i], silu(g) = g / (1 + exp(-g)) */
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i], silu(g) = g / (1 + exp(-g)); with SIMD
+ * the update's SwiGLU arithmetic (hv_swiglu), so the rollout and the trainer agree on it */
 void hr_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (rows * width >= ROWWISE_SPLIT)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * width;
         const float *u = g + width;
         float *o = out + r * width;
+#if HR_SIMD
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16) hv_storeu(o + i, hv_swiglu(hv_loadu(g + i), hv_loadu(u + i)));
+        if (i < width) {
+            hm m = lanes(width - i);
+            hv_mask_storeu(o + i, m, hv_swiglu(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i)));
+        }
+#else
         for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+#endif
     }
 }
 
@@ -74,18 +84,42 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
 #define KV_AHEAD 8 /* cache slots read ahead of the one being scored */
 #define MAX_FIXED 512 /* group * head_dim of the largest shape specialised below */
 
+/* exp(x[i] - top) for i < count into out (when not NULL), and their sum: the sampling's block sums
+ * and a block's weights come from this one function, so they add up the same values. With SIMD,
+ * hv_exp_le88 (the compiler's vectorised expf was a libm call per 4 values on a Zen 1, 5% of a tiny
+ * rollout); it gives 0 below -87.3, so a weight is positive exactly when x[i] - top >= EXP_LOWEST. */
+#define EXP_LOWEST (-87.33654f)
+static inline float exp_sum(const float *x, float top, int64_t count, float *out) {
+#if HR_SIMD
+    hv sum = hv_zero(), m = hv_set1(top);
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        hv e = hv_exp_le88(hv_sub(hv_loadu(x + i), m));
+        if (out) hv_storeu(out + i, e);
+        sum = hv_add(sum, e);
+    }
+    if (i < count) {
+        hm lane = lanes(count - i);
+        hv e = hv_maskz_mov(lane, hv_exp_le88(hv_sub(hv_maskz_loadu(lane, x + i), m)));
+        if (out) hv_mask_storeu(out + i, lane, e);
+        sum = hv_add(sum, e);
+    }
+    return hv_reduce_add(sum);
+#else
+    float sum = 0.f;
+    for (int64_t i = 0; i < count; i++) {
+        float e = x[i] - top >= EXP_LOWEST ? expf(x[i] - top) : 0.f;
+        if (out) out[i] = e;
+        sum += e;
+    }
+    return sum;
+#endif
+}
+
 /* Softmax numerators in place: weights (group, length) -> exp(score - top[g]), their sums into total. */
 static inline __attribute__((always_inline)) void exp_scores(float *weights, int64_t length, int64_t group,
                                                              const float *top, float *total) {
-    for (int64_t g = 0; g < group; g++) {
-        float *w = weights + g * length, sum = 0.f, m = top[g];
-        for (int64_t t = 0; t < length; t++) {
-            float e = expf(w[t] - m);
-            w[t] = e;
-            sum += e;
-        }
-        total[g] = sum;
-    }
+    for (int64_t g = 0; g < group; g++) total[g] = exp_sum(weights + g * length, top[g], length, weights + g * length);
 }
 
 /* Attention of `group` rotated queries (group, d) over slots [0, length) of one kv head: scores into
@@ -202,6 +236,7 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
 #else
 #define HR_ATTEND64(G)
 #endif
+
 #undef HR_SLOT
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
@@ -294,10 +329,8 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
             double total = 0.;
             for (int64_t b = 0; b < blocks; b++) {
                 int64_t end = (b + 1) * SCAN_BLOCK < vocab ? (b + 1) * SCAN_BLOCK : vocab;
-                float sum = 0.f;
-                for (int64_t i = b * SCAN_BLOCK; i < end; i++) sum += expf(scaled[i] - top);
-                block_sums[b] = sum;
-                total += sum;
+                block_sums[b] = exp_sum(scaled + b * SCAN_BLOCK, top, end - b * SCAN_BLOCK, NULL);
+                total += block_sums[b];
             }
             int64_t token = 0;
             if (sample) {
@@ -310,7 +343,7 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
                 int64_t last = -1;
                 /* the block's weights in one vectorised pass (the same exp as the block sums), then
                  * the running sum token by token (a scalar exp per token took most of a tiny-model row) */
-                for (int64_t i = first; i < end; i++) weights[i - first] = expf(scaled[i] - top);
+                exp_sum(scaled + first, top, end - first, weights);
                 for (int64_t i = first; i < end; i++) {
                     float weight = weights[i - first];
                     if (weight <= 0.f) continue;
@@ -324,7 +357,7 @@ void hr_select_tokens(const float *logits, const float *uniforms, float temperat
                 if (token < 0) { /* the sums' rounding left the target just past the block */
                     token = last;
                     for (int64_t i = b * SCAN_BLOCK - 1; token < 0 && i >= 0; i--)
-                        if (expf(scaled[i] - top) > 0.f) token = i;
+                        if (scaled[i] - top >= EXP_LOWEST) token = i;
                     if (token < 0) token = 0;
                 }
             } else {

@@ -179,6 +179,14 @@ static inline hv hv_exp_le88(hv x) {
 #endif
 }
 
+/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp_le88's range it would overflow, and
+ * silu(g) for g < -88 is below 1e-36 either way */
+static inline hv hv_exp_neg(hv g) { return hv_exp_le88(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
+
+/* silu(g) u = g u / (1 + exp(-g)): the update's SwiGLU (cpu_attention.c) and the rollout's decode step
+ * (cpu_kernels.c) compute it with these same instructions, so both give the same floats */
+static inline hv hv_swiglu(hv g, hv u) { return hv_div(hv_mul(g, u), hv_add(hv_set1(1.f), hv_exp_neg(g))); }
+
 /* 16 x 16 transpose in registers: r[i] holds row i on entry, column i on return. */
 #if HR_SIMD == 512
 static inline void transpose16(hv r[16]) {

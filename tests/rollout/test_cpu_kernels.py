@@ -52,6 +52,20 @@ def test_silu_mul_matches_torch(kernels):
     assert (out[3:] == 0).all()
 
 
+def test_silu_mul_gives_the_update_s_swiglu_floats(kernels):
+    """The rollout's activation and the trainer's (hybridrl.engine.cpu_attention.swiglu) share one
+    SIMD function, so a decode step and the update compute the same activations."""
+    from hybridrl.engine import cpu_attention
+
+    if not kernels.dense_supported or not cpu_attention.available():
+        pytest.skip("no AVX2 / AVX-512 kernels on this machine")
+    gate_up = torch.randn(7, 2 * 45, generator=torch.Generator().manual_seed(2)) * 30  # past exp's range too
+    out = torch.zeros(7, 45)
+    kernels.silu_mul(gate_up, out, rows=7)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(out, cpu_attention.swiglu(gate.contiguous(), up.contiguous()))
+
+
 def test_norm_and_activation_split_over_threads_give_one_threads_bits(kernels):
     # 32 rows of SmolLM2's widths: above the size from which the rows are split over the threads
     gen = torch.Generator().manual_seed(4)
