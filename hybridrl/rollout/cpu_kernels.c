@@ -236,7 +236,6 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
 #else
 #define HR_ATTEND64(G)
 #endif
-
 #undef HR_SLOT
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
@@ -459,9 +458,9 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
 }
 #else
-/* `rows` rows x `vecs` 8-column vectors of a panel chunk from column `col` (rows * vecs <= 12
- * accumulators), summed over `len` k steps from zero and then added to acc, as in the tile below
- * (each output's sum in the same order, so the same floats). For a panel's last columns. */
+/* `rows` rows x the first `vecs` 8-column vectors of the chunk `w` (rows * vecs <= 12 accumulators),
+ * summed over `len` k steps from zero and then added to acc, as in the tile below (each output's sum
+ * in the same order, so the same floats). For the last columns of a matrix's last panel. */
 static inline __attribute__((always_inline)) void hr_part(const float *const *x, int64_t kc, const int rows,
         const int vecs, const float *w, int64_t len, float *acc, int first, const char *pf, int64_t lines,
         int64_t per4, int64_t *issued) {
@@ -497,8 +496,8 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
  * accumulators, 3 weight vectors, the broadcast), and the four quarters pass over the chunk in turn
  * (from L1 after the first). Each output's sum runs in the same order as above, so the results are
  * the same; the next chunk's prefetches go out during the first quarters' passes. `vecs`: the
- * panel's 8-column vectors that hold real columns (6 but in a matrix's last panel). The vectors past
- * them are skipped: a 128-column matrix has 32 of its last panel's 48, and multiplying the zeros
+ * panel's 8-column vectors that hold real columns (all 6, fewer only in a matrix's last panel). The
+ * vectors past them are skipped: a 128-column matrix has 32 of its last panel's 48, and multiplying the zeros
  * took a tenth of its time (28 against 36 GFLOP/s for torch's product at 128 rows, one Zen 1 core). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
                            const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs) {
