@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../utils/hr_simd.h" /* hv, hm, lanes, hv_exp_le88, transpose16, transpose_rows16 */
+#include "../utils/hr_simd.h" /* hv, hm, lanes, hv_exp_le88, hv_exp_sum, hv_swiglu, transpose16, ... */
 
 /* The vector code this build runs: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none: unsupported). */
 int hr_simd(void) { return HR_SIMD; }
@@ -611,19 +611,7 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         hm tail = lanes(V - j);
         top = hv_mask_max(top, tail, top, hv_maskz_loadu(tail, z + j));
         float m = hv_reduce_max(top);
-        hv mx = hv_set1(m), total = hv_zero();
-        for (j = 0; j + 16 <= V; j += 16) {
-            hv x = hv_exp_le88(hv_sub(hv_loadu(z + j), mx));
-            total = hv_add(total, x);
-            if (stream)
-                hv_stream(e + j, x);
-            else if (e)
-                hv_storeu(e + j, x);
-        }
-        hv x = hv_maskz_mov(tail, hv_exp_le88(hv_sub(hv_maskz_loadu(tail, z + j), mx)));
-        total = hv_add(total, x);
-        if (e && tail) hv_mask_storeu(e + j, tail, x);
-        float sum = hv_reduce_add(total);
+        float sum = hv_exp_sum(z, m, V, e, stream);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
         out[i] = (z[targets[i]] - m) - logf(sum);
     }

@@ -86,25 +86,12 @@ static inline void rotate(const float *x, const float *cos, const float *ssin, f
 
 /* exp(x[i] - top) for i < count into out (when not NULL), and their sum: the sampling's block sums
  * and a block's weights come from this one function, so they add up the same values. With SIMD,
- * hv_exp_le88 (the compiler's vectorised expf was a libm call per 4 values on a Zen 1, 5% of a tiny
+ * hv_exp_sum (the compiler's vectorised expf was a libm call per 4 values on a Zen 1, 5% of a tiny
  * rollout); it gives 0 below -87.3, so a weight is positive exactly when x[i] - top >= EXP_LOWEST. */
 #define EXP_LOWEST (-87.33654f)
 static inline float exp_sum(const float *x, float top, int64_t count, float *out) {
 #if HR_SIMD
-    hv sum = hv_zero(), m = hv_set1(top);
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) {
-        hv e = hv_exp_le88(hv_sub(hv_loadu(x + i), m));
-        if (out) hv_storeu(out + i, e);
-        sum = hv_add(sum, e);
-    }
-    if (i < count) {
-        hm lane = lanes(count - i);
-        hv e = hv_maskz_mov(lane, hv_exp_le88(hv_sub(hv_maskz_loadu(lane, x + i), m)));
-        if (out) hv_mask_storeu(out + i, lane, e);
-        sum = hv_add(sum, e);
-    }
-    return hv_reduce_add(sum);
+    return hv_exp_sum(x, top, count, out, 0);
 #else
     float sum = 0.f;
     for (int64_t i = 0; i < count; i++) {
@@ -458,9 +445,9 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
 }
 #else
-/* `rows` rows x the first `vecs` 8-column vectors of the chunk `w` (rows * vecs <= 12 accumulators),
- * summed over `len` k steps from zero and then added to acc, as in the tile below (each output's sum
- * in the same order, so the same floats). For the last columns of a matrix's last panel. */
+/* One pass of the AVX2 tile below: `rows` rows x the first `vecs` 8-column vectors of the chunk `w`
+ * (rows * vecs <= 12 accumulators), summed over `len` k steps from zero and then added to acc, each
+ * output's sum in the AVX-512 tile's order. The compiler unrolls it for each (rows, vecs). */
 static inline __attribute__((always_inline)) void hr_part(const float *const *x, int64_t kc, const int rows,
         const int vecs, const float *w, int64_t len, float *acc, int first, const char *pf, int64_t lines,
         int64_t per4, int64_t *issued) {
@@ -475,6 +462,8 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
 #pragma GCC unroll 3
         for (int v = 0; v < vecs; v++) {
             wv[v] = _mm256_loadu_ps(w + kk * HR_NR + 8 * v);
+            /* in registers: the compiler otherwise folds the loads into each row's FMAs, 16 loads a k
+             * step for 12 FMAs, more than two 256-bit loads a cycle keep up with */
             __asm__("" : "+x"(wv[v]));
         }
 #pragma GCC unroll 8
@@ -497,54 +486,24 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
  * (from L1 after the first). Each output's sum runs in the same order as above, so the results are
  * the same; the next chunk's prefetches go out during the first quarters' passes. `vecs`: the
  * panel's 8-column vectors that hold real columns (all 6, fewer only in a matrix's last panel). The
- * vectors past them are skipped: a 128-column matrix has 32 of its last panel's 48, and multiplying the zeros
- * took a tenth of its time (28 against 36 GFLOP/s for torch's product at 128 rows, one Zen 1 core). */
+ * vectors past them are skipped (4 rows x 2 or 8 rows x 1 per pass): a 128-column matrix has 32 of
+ * its last panel's 48, and multiplying the zeros took a tenth of its time (28 against 36 GFLOP/s for
+ * torch's product at 128 rows, one Zen 1 core). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
                            const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs) {
     int64_t issued = *done;
     for (int ch = 0; ch < 2; ch++) {
         int part = vecs - 3 * ch; /* this half's real vectors */
-        if (part == 1) { /* all 8 rows at once: 8 accumulators */
-            hr_part(x, kc, 8, 1, w + 24 * ch, len, acc + 24 * ch, first, pf, lines, per4, &issued);
-            continue;
-        }
-        if (part == 2) {
+        const float *wc = w + 24 * ch;
+        float *ac = acc + 24 * ch;
+        if (part >= 3)
             for (int rh = 0; rh < 2; rh++)
-                hr_part(x + 4 * rh, kc, 4, 2, w + 24 * ch, len, acc + 4 * rh * HR_NR + 24 * ch, first, pf, lines,
-                        per4, &issued);
-            continue;
-        }
-        if (part <= 0) continue;
-        for (int rh = 0; rh < 2; rh++) {
-            const float *x0 = x[4 * rh] + kc, *x1 = x[4 * rh + 1] + kc, *x2 = x[4 * rh + 2] + kc, *x3 = x[4 * rh + 3] + kc;
-            __m256 a[12];
-            for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
-            const float *wc = w + 24 * ch;
-            for (int64_t kk = 0; kk < len; kk++) {
-                if ((kk & 3) == 0)
-                    for (int64_t i = 0; i < per4 && issued < lines; i++, issued++)
-                        _mm_prefetch(pf + issued * 64, _MM_HINT_T0);
-                const float *wk = wc + kk * HR_NR;
-                __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
-                /* in registers: the compiler otherwise folds the loads into each row's FMAs, 16 loads
-                 * a k step for 12 FMAs, more than two 256-bit loads a cycle keep up with */
-                __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2));
-                __m256 b;
-#define HR_ROW(r, xr)                                          \
-                b = _mm256_set1_ps(xr[kk]);                    \
-                a[3 * r] = _mm256_fmadd_ps(b, w0, a[3 * r]);   \
-                a[3 * r + 1] = _mm256_fmadd_ps(b, w1, a[3 * r + 1]); \
-                a[3 * r + 2] = _mm256_fmadd_ps(b, w2, a[3 * r + 2]);
-                HR_ROW(0, x0) HR_ROW(1, x1) HR_ROW(2, x2) HR_ROW(3, x3)
-#undef HR_ROW
-            }
-            float *ac = acc + 4 * rh * HR_NR + 24 * ch;
-            for (int r = 0; r < 4; r++)
-                for (int v = 0; v < 3; v++) {
-                    float *p = ac + r * HR_NR + 8 * v;
-                    _mm256_store_ps(p, first ? a[3 * r + v] : _mm256_add_ps(_mm256_load_ps(p), a[3 * r + v]));
-                }
-        }
+                hr_part(x + 4 * rh, kc, 4, 3, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued);
+        else if (part == 2)
+            for (int rh = 0; rh < 2; rh++)
+                hr_part(x + 4 * rh, kc, 4, 2, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued);
+        else if (part == 1) /* all 8 rows at once: 8 accumulators */
+            hr_part(x, kc, 8, 1, wc, len, ac, first, pf, lines, per4, &issued);
     }
     *done = issued;
 }

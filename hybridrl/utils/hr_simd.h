@@ -151,14 +151,14 @@ static inline __m256 hr_div8(__m256 a, __m256 b) {
 static inline hv hv_div(hv a, hv b) { return HR_PAIR(hr_div8(a.lo, b.lo), hr_div8(a.hi, b.hi)); }
 #endif
 
-/* exp(x) for x at most 88.3 (at most 0 in a softmax; silu's exp(-g) is clamped to 88), smaller than
- * -87.3 giving 0, to about 1 ulp: 2^n times a degree-7 polynomial of the remainder (Cephes' expf).
- * The compiler's vectorised expf was a separate call per 16 values. n is at most 127, so 2^n is one
- * float (AVX2: its bits; a two-step scaling that also took n = 128, up to 88.7, was an eighth of the
- * work: 1.43 -> 1.22 ns an element on a Zen 1, the same floats below 88.3). */
+/* exp(min(x, 88)) (exp(88) = 1.7e38), x smaller than -87.3 giving 0, to about 1 ulp: 2^n times a
+ * degree-7 polynomial of the remainder (Cephes' expf). The compiler's vectorised expf was a separate
+ * call per 16 values. With x at most 88, n is at most 127, so 2^n is one float (AVX2: its bits; a
+ * two-step scaling that also took n = 128, up to 88.7, was an eighth of the work: 1.43 -> 1.22 ns an
+ * element on a Zen 1, the same floats below 88.3). */
 static inline hv hv_exp_le88(hv x) {
     const hv lo = hv_set1(-87.33654f);
-    hv y = hv_min(hv_max(x, lo), hv_set1(88.72283f));
+    hv y = hv_min(hv_max(x, lo), hv_set1(88.f));
     hv n = hv_round(hv_mul(y, hv_set1(1.44269504088896341f)));
     hv r = hv_fnmadd(n, hv_set1(0.693359375f), y);
     r = hv_fnmadd(n, hv_set1(-2.12194440e-4f), r);
@@ -179,9 +179,32 @@ static inline hv hv_exp_le88(hv x) {
 #endif
 }
 
-/* exp(-g), its argument at most 88 (exp(88) = 1.7e38): above hv_exp_le88's range it would overflow, and
- * silu(g) for g < -88 is below 1e-36 either way */
-static inline hv hv_exp_neg(hv g) { return hv_exp_le88(hv_min(hv_sub(hv_zero(), g), hv_set1(88.f))); }
+/* exp(x[i] - top) for i < n into out (NULL: not kept; with `stream`, streaming stores, which need out
+ * 64-byte aligned and n a multiple of 16), and their sum, added in one order for every caller: the
+ * update's token log-probs, and the rollout's softmax and sampler (whose block sums and a block's
+ * weights must add up the same values). */
+static inline float hv_exp_sum(const float *x, float top, int64_t n, float *out, int stream) {
+    hv sum = hv_zero(), m = hv_set1(top);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        hv e = hv_exp_le88(hv_sub(hv_loadu(x + i), m));
+        if (stream)
+            hv_stream(out + i, e);
+        else if (out)
+            hv_storeu(out + i, e);
+        sum = hv_add(sum, e);
+    }
+    if (i < n) {
+        hm lane = lanes(n - i);
+        hv e = hv_maskz_mov(lane, hv_exp_le88(hv_sub(hv_maskz_loadu(lane, x + i), m)));
+        if (out) hv_mask_storeu(out + i, lane, e);
+        sum = hv_add(sum, e);
+    }
+    return hv_reduce_add(sum);
+}
+
+/* exp(-g) clamped at exp(88): silu(g) for g < -88 is below 1e-36 either way */
+static inline hv hv_exp_neg(hv g) { return hv_exp_le88(hv_sub(hv_zero(), g)); }
 
 /* silu(g) u = g u / (1 + exp(-g)): the update's SwiGLU (cpu_attention.c) and the rollout's decode step
  * (cpu_kernels.c) compute it with these same instructions, so both give the same floats */
