@@ -32,34 +32,65 @@ import platform
 import queue
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+# Inner products of the kind the update runs (rows, in, out; the weight as stored or as the transposed
+# view an input gradient reads), timed beside the square matmul. A peak is the most the machine
+# does, and the square alone is not that: on a Zen 1 (one thread, best of 20 each, two rounds) the
+# square 1536 read 42.4-42.9 GFLOP/s through either backend in the minutes that 2048 x 512 x 512 on
+# a transposed weight read 44.8 and 4096 x 128 x 384 44.3, products the tiny and 25M updates run
+# themselves; an MFU against the square alone read a twentieth too high there.
+PEAK_PRODUCTS = ((2048, 512, 512), (4096, 128, 384))
+PEAK_OF = "square and inner products"  # ``Machine.peak_of`` of a peak measured here
+
 
 def measure_peak_flops(size: int = 1536, reps: int = 20) -> float:
-    """fp32 matmul FLOP/s: best of ``reps`` square matmuls through each CPU backend this torch has
-    (MKL's ``mm`` and, where present, oneDNN's linear), the faster backend counting. A peak is an
-    upper bound, so the best; on a shared machine a few reps can all land in a slow moment (5 once
-    read 104 GFLOP/s where the run before read 153). Both backends, because MKL runs its AVX2 code
-    on AMD CPUs at about half the rate oneDNN reaches there (``hybridrl.utils.cpu_matmul``), and
-    hybridrl uses whichever is faster: a floor from MKL alone would put the machine's limit at half
-    of what it is."""
+    """fp32 matmul FLOP/s: best of ``reps`` runs of each product, the fastest product counting: a
+    square matmul and the ``PEAK_PRODUCTS`` (weight as stored and transposed), each through every CPU
+    backend this torch has (MKL's and, where present, oneDNN's). A peak is an upper bound, so the best;
+    on a shared machine a few reps can all land in a slow moment (5 once read 104 GFLOP/s where the
+    run before read 153). Both backends, because MKL runs its AVX2 code on AMD CPUs at about half
+    the rate oneDNN reaches there (``hybridrl.utils.cpu_matmul``), and hybridrl uses whichever is
+    faster: a floor from MKL alone would put the machine's limit at half of what it is."""
+    return best_rate(peak_products(size), reps)
+
+
+def peak_products(size: int = 1536) -> list[tuple[float, Callable[[], object]]]:
+    """(FLOPs, product) of every product ``measure_peak_flops`` times, its operands made here."""
     from hybridrl.utils.cpu_matmul import onednn_available
 
+    dnn = onednn_available()
     a, b = torch.randn(size, size), torch.randn(size, size)
-    products = [lambda: a @ b]
-    if onednn_available():
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
-    best = float("inf")
-    for product in products:
+    products = [(2.0 * size**3, lambda: a @ b)]
+    if dnn:
+        products.append((2.0 * size**3, lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")))
+    for rows, inner, out in PEAK_PRODUCTS:
+        x = torch.randn(rows, inner)
+        for w in (torch.randn(out, inner), torch.randn(inner, out).t()):
+            flops = 2.0 * rows * inner * out
+            products.append((flops, lambda x=x, w=w: torch.nn.functional.linear(x, w)))
+            if dnn:
+                products.append((flops, lambda x=x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")))
+    return products
+
+
+def best_rate(products: list[tuple[float, Callable[[], object]]], reps: int,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """The highest FLOP/s of any product, each timed ``reps`` times after one untimed run (its best)."""
+    best = 0.0
+    for flops, product in products:
         product()
+        fastest = float("inf")
         for _ in range(reps):
-            start = time.perf_counter()
+            start = clock()
             product()
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+            fastest = min(fastest, clock() - start)
+        best = max(best, flops / fastest)
+    return best
 
 
 def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
@@ -195,6 +226,7 @@ class Machine:
     bandwidth: float  # memory read bytes/s of one rank, likewise
     cpu: str = ""  # cpu_description()
     ranks: int = 1  # processes measured at once (records written before the field: one)
+    peak_of: str = "square"  # what peak_flops is the best of (records before PEAK_OF: the square alone)
 
     @classmethod
     def measure(cls, peak_reps: int = 20, ranks: int = 1) -> Machine:
@@ -203,9 +235,9 @@ class Machine:
         processes on a two-core Zen 1 read 36.5-37.1 GFLOP/s each where one alone read 41.0-41.5,
         so twice one rank's rate alone would put the two cores' limit a tenth above what they do."""
         if ranks == 1:
-            return cls(measure_peak_flops(reps=peak_reps), measure_bandwidth(), cpu_description())
+            return cls(measure_peak_flops(reps=peak_reps), measure_bandwidth(), cpu_description(), 1, PEAK_OF)
         peak, bandwidth = measure_rates_together(ranks, torch.get_num_threads(), peak_reps)
-        return cls(peak, bandwidth, cpu_description(), ranks)
+        return cls(peak, bandwidth, cpu_description(), ranks, PEAK_OF)
 
 
 def _rank_rates(threads: int, peak_reps: int, size: int, megabytes: int, start, results) -> None:

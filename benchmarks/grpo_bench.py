@@ -234,7 +234,7 @@ def machine_during(samples: list[Machine]) -> Machine:
     35.9 an hour later), so a floor from one measurement at the start of a file would be off by as
     much for the rows run later."""
     return Machine(statistics.median(m.peak_flops for m in samples), statistics.median(m.bandwidth for m in samples),
-                   samples[0].cpu, samples[0].ranks)
+                   samples[0].cpu, samples[0].ranks, samples[0].peak_of)
 
 
 def bench_case(case: Case, args, with_ref: bool) -> dict:

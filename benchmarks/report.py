@@ -119,7 +119,20 @@ def peak_text(row: dict) -> str:
     2026-12-06 each rank's rate is measured while all of them run, ``floor.measure_rates_together``)."""
     ranks = row.get("floor_ranks", 1)
     peak = row.get("floor_peak_flops", row["record"]["machine"]["peak_flops"])
-    return f"{peak / 1e9:.0f}" + (f" ({ranks} x {peak / ranks / 1e9:.0f})" if ranks > 1 else "")
+    return (f"{peak / 1e9:.0f}" + (f" ({ranks} x {peak / ranks / 1e9:.0f})" if ranks > 1 else "")
+            + (" sq" if square_peak(row) else ""))
+
+
+def square_peak(row: dict) -> bool:
+    """Whether the row's peak is the square matmul's alone (measured before ``floor.PEAK_OF``): it
+    then reads lower than the peak of the rows measured since, and their floors and MFUs higher."""
+    return row.get("machine", row["record"]["machine"]).get("peak_of", "square") == "square"
+
+
+SQUARE_PEAK_NOTE = ("\"sq\": the row's peak is the square matmul's alone (rows measured before 2026-12-06's change "
+                    "to `floor.measure_peak_flops`); the others' is the best of the square and two inner products "
+                    "the update runs, which read 3-5% higher on a Zen 1 (docs/performance.md, \"The floor\"). A "
+                    "square-only peak puts the floor lower and the % of floor and MFU higher.")
 
 
 def compiled(row: dict) -> str:
@@ -325,8 +338,10 @@ def machine_section(m: MachineResults) -> list[str]:
     parts = [f"## {m.key}: {m.cpu}", ""]
     if m.rows:
         parts += ["### End-to-end GRPO step: hybridrl vs TRL GRPOTrainer (alternating runs, medians)", "",
-                  e2e_table(m.rows), "",
-                  "### Phase breakdown (hybridrl) against each phase's floor", "",
+                  e2e_table(m.rows), ""]
+        if any(square_peak(r) for r in m.rows):
+            parts += [SQUARE_PEAK_NOTE, ""]
+        parts += ["### Phase breakdown (hybridrl) against each phase's floor", "",
                   "<details><summary>every phase of every case</summary>", "", phase_table(m.rows), "",
                   "</details>", ""]
         controller = controller_table(m.rows)

@@ -65,11 +65,45 @@ def test_the_measured_machine_records_its_cpu(monkeypatch):
 
     monkeypatch.setattr(floor, "measure_peak_flops", peak)
     monkeypatch.setattr(floor, "measure_bandwidth", lambda: 3e10)
-    assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description())
+    assert Machine.measure() == Machine(peak_flops=1e11, bandwidth=3e10, cpu=cpu_description(), peak_of=floor.PEAK_OF)
     Machine.measure(peak_reps=10)
     assert reps_seen == [20, 10]
     assert Machine(peak_flops=1.0, bandwidth=1.0).cpu == ""  # records written before the field load as before
     assert Machine(peak_flops=1.0, bandwidth=1.0).ranks == 1
+    assert Machine(peak_flops=1.0, bandwidth=1.0).peak_of == "square"  # what records before the field measured
+
+
+def test_the_peak_is_the_fastest_product_at_its_best_run():
+    """A peak is an upper bound: the highest rate of any product, each at its fastest run."""
+    import floor
+
+    now = [0.0]
+    durations = {"square": [0.01, 0.1, 0.2], "narrow": [0.05, 0.06, 0.04]}  # the untimed run, then two reps
+
+    def product(name):
+        def run():
+            now[0] += durations[name].pop(0)
+        return run
+
+    rate = floor.best_rate([(2e9, product("square")), (1e9, product("narrow"))], reps=2, clock=lambda: now[0])
+    # the narrow product's best run, 1e9 / 0.04 s, beats the square's 2e9 / 0.1 s (its untimed warm-up
+    # run is not counted)
+    assert rate == pytest.approx(2.5e10)
+    assert durations == {"square": [], "narrow": []}
+
+
+def test_the_peak_times_the_square_and_the_update_s_inner_products(monkeypatch):
+    import floor
+
+    monkeypatch.setattr(floor, "PEAK_PRODUCTS", ((8, 4, 2),))
+    products = floor.peak_products(size=16)
+    from hybridrl.utils.cpu_matmul import onednn_available
+
+    backends = 2 if onednn_available() else 1
+    # the square, then the inner product with its weight as stored and transposed, through each backend
+    assert [flops for flops, _ in products] == [2 * 16**3] * backends + [2 * 8 * 4 * 2] * 2 * backends
+    assert all(tuple(run().shape) in ((16, 16), (8, 2)) for _, run in products)
+    assert floor.measure_peak_flops(size=16, reps=1) > 0
 
 
 def test_several_ranks_are_measured_at_once(monkeypatch):
@@ -84,7 +118,8 @@ def test_several_ranks_are_measured_at_once(monkeypatch):
 
     monkeypatch.setattr(floor, "measure_rates_together", together)
     machine = Machine.measure(peak_reps=10, ranks=2)
-    assert machine == Machine(peak_flops=3.6e10, bandwidth=1.2e10, cpu=cpu_description(), ranks=2)
+    assert machine == Machine(peak_flops=3.6e10, bandwidth=1.2e10, cpu=cpu_description(), ranks=2,
+                              peak_of=floor.PEAK_OF)
     assert calls == [(2, torch.get_num_threads(), 10)]
 
 

@@ -116,3 +116,14 @@ def test_a_ratio_beyond_the_floor_is_told_apart_from_a_miss(tmp_path):
             "tokens/s (tiny ref=no, 2.50x at most); rollout >= 3x HF generate (SmolLM2 32 x 128, 2.68x at most)") in summary
     # a met target shows no ceiling
     assert all(" at most" not in t.cell() for m in machines for t in report.machine_targets(m) if t.met)
+
+
+def test_a_row_measured_against_the_square_peak_alone_says_so(tmp_path):
+    results = write_results(tmp_path)
+    newer = record(2.5, 0.7, "AMD EPYC (family 25, model 17)", "2026-12-06 at 7654321")
+    newer["machine"]["peak_of"] = newer["rows"][0].setdefault("machine", {})["peak_of"] = "square and inner products"
+    (results / "zen4" / "grpo_tiny.json").write_text(json.dumps(newer))
+    text = report.render(report.load_machines(results))
+    zen4, zen5 = text.split("## zen4: ")[1].split("## zen5: ")
+    assert "| 2.50x | 100 | 0.275 |" in zen4 and report.SQUARE_PEAK_NOTE not in zen4
+    assert "| 3.51x | 100 sq | 0.275 |" in zen5 and report.SQUARE_PEAK_NOTE in zen5  # its record has no peak_of
