@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import PHASES, WORKER_PHASES, Machine, ModelShape, provenance, results_dir, step_floor  # noqa: E402
 
 LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
-RATE_REPS = 10  # square matmuls per backend in each measurement before a run (the file's first: 20)
+RATE_REPS = 10  # runs of each peak product per backend in each measurement before a run (the file's first: 20)
 
 
 @dataclass(frozen=True)
