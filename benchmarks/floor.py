@@ -93,6 +93,13 @@ def best_rate(products: list[tuple[float, Callable[[], object]]], reps: int,
     return best
 
 
+def rates_sentence(peak: float, bandwidth: float) -> str:
+    """The line a rollout benchmark's table opens with: the rates it measured and the load at its end."""
+    return (f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (the best of a square matmul and "
+            f"two inner products, `floor.measure_peak_flops`), memory read {bandwidth / 1e9:.1f} GB/s; load average "
+            f"at the end {os.getloadavg()[0]:.1f}.")
+
+
 def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
     """Memory read bytes/s: best of ``reps`` sums over a buffer far larger than the caches."""
     buf = torch.ones(megabytes * 2**20 // 4)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from floor import (  # noqa: E402  (one measurement for every benchmark)
     measure_bandwidth,
     measure_peak_flops,
     provenance,
+    rates_sentence,
     results_dir,
 )
 
@@ -163,9 +163,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, "
         f"fp32, {torch.get_num_threads()} threads, median of {args.reps} alternating runs, on {cpu_description()}"
         f" ({provenance()}).\n"
-        f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (the best of a square matmul and "
-        f"two inner products, `floor.measure_peak_flops`), memory read "
-        f"{bandwidth / 1e9:.1f} GB/s; load average at the end {os.getloadavg()[0]:.1f}.\n\n"
+        f"{rates_sentence(peak, bandwidth)}\n\n"
         "| model | params | engine tok/s | HF generate tok/s | speedup | engine GFLOP/s | % of matmul peak "
         "| roofline tok/s | % of roofline | prefill s (% of its roofline) | decode tok/s (% of its roofline) "
         "| greedy rows equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"

