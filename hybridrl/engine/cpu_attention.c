@@ -596,10 +596,12 @@ int hr_attention_backward(HR_OPERANDS, const float *out, const float *dout, cons
 #define TOKEN_STREAM_FLOATS (1 << 21)
 
 /* out[i] = (z[i][t_i] - max_i) - log(sum_i), sum_i = sum_j exp(z[i][j] - max_i), as torch's log_softmax
- * rounds it; stats[i] = (max_i, sum_i) for the backward; exps (rows, V), unless NULL, = exp(z - max_i).
- * logits (rows, V) contiguous. */
+ * rounds it; stats[i] = (max_i, sum_i) for the backward; exps (rows, V), unless NULL, = exp(z - max_i);
+ * entropy (rows), unless NULL, = -sum_j p_j log p_j = log(sum_i) - sum_j exp(z_j - max_i) (z_j - max_i) /
+ * sum_i, from the same pass (the old log-probs' forward reports it: torch's softmax, log_softmax,
+ * product and sum were four more passes over the logits). logits (rows, V) contiguous. */
 void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows, int64_t V, float *out, float *stats,
-                      float *exps, int nthreads) {
+                      float *exps, float *entropy, int nthreads) {
     int stream = exps && rows * V >= TOKEN_STREAM_FLOATS && ((uintptr_t)exps & 63) == 0 && (V & 15) == 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
@@ -611,9 +613,11 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         hm tail = lanes(V - j);
         top = hv_mask_max(top, tail, top, hv_maskz_loadu(tail, z + j));
         float m = hv_reduce_max(top);
-        float sum = hv_exp_sum(z, m, V, e, stream);
+        float dot = 0.f;
+        float sum = hv_exp_sum_dot(z, m, V, e, stream, entropy ? &dot : NULL);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
         out[i] = (z[targets[i]] - m) - logf(sum);
+        if (entropy) entropy[i] = logf(sum) - dot / sum;
     }
     if (stream) _mm_sfence();
 }

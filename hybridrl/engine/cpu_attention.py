@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "register", "rms_norm",
            "rms_norm_backward", "rms_norm_usable", "rope", "rope_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
-           "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_usable",
+           "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_logprob_entropy",
+           "token_usable",
            "transposed", "usable", "use_for"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -74,7 +75,7 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_attention_backward.argtypes = (_OPERANDS + [_PTR, _PTR, _PTR] + _TENSOR + [_PTR, _PTR, _I64, _I64, _I64]
                                           + [_PTR, _PTR, _I64, _I64, _I64] + _SHAPE)
     lib.hr_attention_forward.restype = lib.hr_attention_backward.restype = _INT
-    lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT]
+    lib.hr_token_logprob.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
     lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.hr_token_logprob.restype = lib.hr_token_logprob_backward.restype = None
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
@@ -453,6 +454,20 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor,
     ``targets (...)`` int64 in [0, V)), for logits ``token_usable`` takes; each row's (max, sum of
     exp(logits - max)), ``targets.shape + (2,)``; and with ``keep_exps`` those exponentials, shaped like
     the logits (else None): ``token_logprob_backward`` reads the last two instead of the logits."""
+    out, stats, exps, _ = _token_kernel(logits, targets, keep_exps, False)
+    return out, stats, exps
+
+
+def token_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprob``'s log-probs (the same floats) and each row's entropy ``-sum(p log p)`` of
+    ``softmax(logits)``, both shaped like ``targets``, from one pass over the logits; nothing is kept
+    for a backward (the old log-probs' forward, under ``no_grad``)."""
+    out, _, _, entropy = _token_kernel(logits, targets, False, True)
+    return out, entropy
+
+
+def _token_kernel(logits: torch.Tensor, targets: torch.Tensor, keep_exps: bool,
+                  entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     vocab = logits.shape[-1]
     targets = targets.contiguous().long()
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
@@ -460,9 +475,11 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor,
         raise IndexError(f"token_logprob: target token id {int(bad)} outside the logits' vocabulary of {vocab}")
     out, stats = torch.empty(targets.shape), torch.empty(*targets.shape, 2)
     exps = torch.empty_like(logits) if keep_exps else None
+    ent = torch.empty(targets.shape) if entropy else None
     _library().hr_token_logprob(logits.data_ptr(), targets.data_ptr(), targets.numel(), vocab, out.data_ptr(),
-                                stats.data_ptr(), exps.data_ptr() if keep_exps else None, torch.get_num_threads())
-    return out, stats, exps
+                                stats.data_ptr(), exps.data_ptr() if keep_exps else None,
+                                ent.data_ptr() if entropy else None, torch.get_num_threads())
+    return out, stats, exps, ent
 
 
 def token_logprob_backward(exps: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor,

@@ -429,8 +429,14 @@ def _token_stats(
     if temperature != 1.0:
         logits = logits / temperature
     targets = _column_targets(responses, packed, first_col, logits.shape[1])
-    per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets, torch.is_grad_enabled())}
-    if calculate_entropy:
+    if calculate_entropy and not torch.is_grad_enabled() and cpu_attention.token_usable(logits):
+        # no graph (the old log-probs): both from one pass of hybridrl's kernel, the same log-probs
+        # as below; torch's entropy was four passes over the logits and three logits-sized tensors
+        log_probs, entropy = cpu_attention.token_logprob_entropy(logits, targets)
+        per_col = {"log_probs": log_probs, "entropy": entropy}
+    else:
+        per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets, torch.is_grad_enabled())}
+    if calculate_entropy and "entropy" not in per_col:
         # softmax kernels here too (see _NextTokenLogProb): -sum(p log p) = logsumexp - sum(p z)
         per_col["entropy"] = -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
     out = {}

@@ -182,25 +182,36 @@ static inline hv hv_exp_le88(hv x) {
 /* exp(x[i] - top) for i < n into out (NULL: not kept; with `stream`, streaming stores, which need out
  * 64-byte aligned and n a multiple of 16), and their sum, added in one order for every caller: the
  * update's token log-probs, and the rollout's softmax and sampler (whose block sums and a block's
- * weights must add up the same values). */
-static inline float hv_exp_sum(const float *x, float top, int64_t n, float *out, int stream) {
-    hv sum = hv_zero(), m = hv_set1(top);
+ * weights must add up the same values). With `dot` (not NULL), also the sum of exp(x[i] - top) (x[i] -
+ * top) into it (the entropy's numerator); the exponentials' sum is unchanged by it. */
+static inline float hv_exp_sum_dot(const float *x, float top, int64_t n, float *out, int stream, float *dot) {
+    hv sum = hv_zero(), acc = hv_zero(), m = hv_set1(top);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        hv e = hv_exp_le88(hv_sub(hv_loadu(x + i), m));
+        hv z = hv_sub(hv_loadu(x + i), m);
+        hv e = hv_exp_le88(z);
         if (stream)
             hv_stream(out + i, e);
         else if (out)
             hv_storeu(out + i, e);
         sum = hv_add(sum, e);
+        if (dot) acc = hv_add(acc, hv_mul(e, z));
     }
     if (i < n) {
         hm lane = lanes(n - i);
-        hv e = hv_maskz_mov(lane, hv_exp_le88(hv_sub(hv_maskz_loadu(lane, x + i), m)));
+        hv z = hv_sub(hv_maskz_loadu(lane, x + i), m);
+        hv e = hv_maskz_mov(lane, hv_exp_le88(z));
         if (out) hv_mask_storeu(out + i, lane, e);
         sum = hv_add(sum, e);
+        if (dot) acc = hv_add(acc, hv_maskz_mov(lane, hv_mul(e, z)));
     }
+    if (dot) *dot = hv_reduce_add(acc);
     return hv_reduce_add(sum);
+}
+
+/* the same with no dot: every caller's sums are this one loop's */
+static inline float hv_exp_sum(const float *x, float top, int64_t n, float *out, int stream) {
+    return hv_exp_sum_dot(x, top, n, out, stream, NULL);
 }
 
 /* exp(-g) clamped at exp(88): silu(g) for g < -88 is below 1e-36 either way */

@@ -1,5 +1,6 @@
 """Response log-probs and entropy from a micro-batch's logits: the fused path against plain autograd."""
 
+import math
 import weakref
 
 import pytest
@@ -137,3 +138,49 @@ def test_token_stats_equal_the_aligned_log_softmax(temperature, first_col):
     (grad_fused,) = torch.autograd.grad(out["log_probs"].sum(), logits)
     (grad_ref,) = torch.autograd.grad(ref_lp.sum(), logits)
     assert torch.allclose(grad_fused, grad_ref, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(7, 5), (7, 16), (7, 1037), (7, 49152), (1050, 1024)])
+def test_fp32_entropy_kernel_matches_float64_entropy_and_keeps_the_log_probs(rows, vocab):
+    """One pass gives the log-probs the log-prob kernel gives (the same floats) and the entropy
+    within twice torch's own fp32 error against float64, a vocabulary shorter than a vector and one
+    not a multiple of 16 included."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(2, rows, vocab, generator=gen) * 5
+    logits[0, 0] = 0.0  # a uniform row: the entropy is log(vocab)
+    targets = torch.randint(0, vocab, (2, rows), generator=gen)
+    log_probs, entropy = cpu_attention.token_logprob_entropy(logits, targets)
+    assert torch.equal(log_probs, cpu_attention.token_logprob(logits, targets)[0])
+    assert entropy.shape == targets.shape and entropy.dtype == torch.float32
+    exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    plain = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert float((entropy.double() - exact).abs().max()) <= 2 * float((plain.double() - exact).abs().max()) + 1e-6
+    assert abs(float(entropy[0, 0]) - math.log(vocab)) <= 1e-5 * max(1.0, math.log(vocab))
+
+
+@needs_kernels
+def test_token_stats_take_the_one_pass_entropy_kernel_only_without_a_graph(monkeypatch):
+    """The old log-probs' forward (no_grad) reads the logits once for both outputs; with a graph
+    (an entropy bonus in the loss) the entropy stays torch's, which autograd differentiates."""
+    ids = torch.tensor([[0, 5, 6, 7, 3, 0], [4, 5, 6, 8, 9, 1]])
+    mask = (ids != 0).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed = pack_rows(ids, mask, pos, 3)
+    responses = ids[:, 3:]
+    logits = torch.randn(2, packed.input_ids.shape[1], 40, generator=torch.Generator().manual_seed(2))
+    calls = []
+    fused = cpu_attention.token_logprob_entropy
+    monkeypatch.setattr(cpu_attention, "token_logprob_entropy", lambda *a: calls.append(1) or fused(*a))
+    ref_lp, ref_ent = _reference(logits, packed, 0, responses, 0.7)
+    with torch.no_grad():
+        out = _token_stats(logits, packed, 0, responses, 0.7, calculate_entropy=True)
+    assert calls == [1]
+    torch.testing.assert_close(out["log_probs"], ref_lp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["entropy"], ref_ent, rtol=0, atol=1e-5)
+    leaf = logits.clone().requires_grad_()
+    out = _token_stats(leaf, packed, 0, responses, 0.7, calculate_entropy=True)
+    assert calls == [1] and out["entropy"].requires_grad
+    (grad,) = torch.autograd.grad(out["entropy"].sum(), leaf)
+    (want,) = torch.autograd.grad(_reference(leaf, packed, 0, responses, 0.7)[1].sum(), leaf)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
