@@ -616,8 +616,9 @@ void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows,
         float dot = 0.f;
         float sum = hv_exp_sum_dot(z, m, V, e, stream, entropy ? &dot : NULL);
         stats[2 * i] = m, stats[2 * i + 1] = sum;
-        out[i] = (z[targets[i]] - m) - logf(sum);
-        if (entropy) entropy[i] = logf(sum) - dot / sum;
+        float log_sum = logf(sum);
+        out[i] = (z[targets[i]] - m) - log_sum;
+        if (entropy) entropy[i] = log_sum - dot / sum;
     }
     if (stream) _mm_sfence();
 }

@@ -436,9 +436,9 @@ def _token_stats(
         per_col = {"log_probs": log_probs, "entropy": entropy}
     else:
         per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets, torch.is_grad_enabled())}
-    if calculate_entropy and "entropy" not in per_col:
-        # softmax kernels here too (see _NextTokenLogProb): -sum(p log p) = logsumexp - sum(p z)
-        per_col["entropy"] = -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
+        if calculate_entropy:
+            # softmax kernels here too (see _NextTokenLogProb): -sum(p log p) = logsumexp - sum(p z)
+            per_col["entropy"] = -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
     out = {}
     for key, value in per_col.items():
         aligned, valid = gather_response(value, packed, first_col)
