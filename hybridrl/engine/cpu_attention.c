@@ -86,18 +86,25 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t padded(int64_t S) { return round_up(S, 32) + 16; }
 
 /* kt (D, Sp) = transpose of rows [0, S) of x (S, D) with row stride xs; zero past S. In 16 x 16
- * blocks through registers (element by element, the strided stores took a sixth of the forward). */
-static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
+ * blocks through registers (element by element, the strided stores took a sixth of the forward).
+ * Rows [0, P) may come from elsewhere: row j < P is x0 + j * xs0 (a row's shared prompt keys, read
+ * in place; P = 0: none). */
+static void transpose_keys2(const float *x0, int64_t xs0, int64_t P, const float *x, int64_t xs, int64_t S,
+                            int64_t Sp, int64_t D, float *kt) {
     int64_t S16 = round_up(S, 16);
     for (int64_t j0 = 0; j0 < S16; j0 += 16)
         for (int64_t c0 = 0; c0 < D; c0 += 16) {
             hv r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = j0 + i < S ? hv_loadu(x + (j0 + i) * xs + c0) : hv_zero();
+            for (int64_t i = 0, j = j0; i < 16; i++, j++)
+                r[i] = j >= S ? hv_zero() : hv_loadu((j < P ? x0 + j * xs0 : x + (j - P) * xs) + c0);
             transpose16(r);
             for (int64_t i = 0; i < 16; i++) hv_storeu(kt + (c0 + i) * Sp + j0, r[i]);
         }
     for (int64_t c = 0; c < D; c++) memset(kt + c * Sp + S16, 0, (Sp - S16) * sizeof(float));
+}
+
+static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
+    transpose_keys2(NULL, 0, 0, x, xs, S, Sp, D, kt);
 }
 
 /* s[r][j] = rows[r] . kt[:, j] for j in [j0, j1) (j0, j1 multiples of 16, j1 <= Sp); s rows Sp apart */
@@ -363,18 +370,21 @@ static void copy_rows(const float *x, int64_t xs, int64_t n, int64_t D, float *d
         for (int64_t c = 0; c < D; c += 16) hv_storeu(dst + j * ds + c, hv_loadu(x + j * xs + c));
 }
 
-/* The keys and values of one (row, kv head), S rows of D floats each, contiguous in kc and vc: the
- * shared ones (kp, vp of the row's group) first, then the row's own. One pass over each in memory;
- * the blocks then read them from the cache, rows D floats apart rather than KVH D. */
+/* The values of one (row, kv head), S rows of D floats, contiguous in vc: the shared ones (vp of the
+ * row's group) first, then the row's own. One pass over them in memory; the blocks then read them
+ * from the cache, rows D floats apart rather than KVH D. */
+static void gather_values(const hr_att *a, int64_t b, int64_t kh, float *vc) {
+    int64_t D = a->D, P = a->P;
+    if (P) copy_rows(a->vp + a->pidx[b] * a->vpsb + kh * a->vpsh, a->vpst, P, D, vc, D);
+    copy_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - P, D, vc + P * D, D);
+}
+
+/* gather_values, and the keys likewise into kc (the backward reads both per block). */
 static void gather_kv(const hr_att *a, int64_t b, int64_t kh, float *kc, float *vc) {
     int64_t D = a->D, P = a->P;
-    if (P) {
-        int64_t u = a->pidx[b];
-        copy_rows(a->kp + u * a->kpsb + kh * a->kpsh, a->kpst, P, D, kc, D);
-        copy_rows(a->vp + u * a->vpsb + kh * a->vpsh, a->vpst, P, D, vc, D);
-    }
+    if (P) copy_rows(a->kp + a->pidx[b] * a->kpsb + kh * a->kpsh, a->kpst, P, D, kc, D);
     copy_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - P, D, kc + P * D, D);
-    copy_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - P, D, vc + P * D, D);
+    gather_values(a, b, kh, vc);
 }
 
 /* Requests the query rows of the block after (t0, h): the next RB positions of this head, else the
@@ -388,11 +398,13 @@ static void prefetch_next_block(const float *x, int64_t sb, int64_t sh, int64_t 
         for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(x + b * sb + nh * sh + (nt + r) * st + c), _MM_HINT_T0);
 }
 
-/* One (row, kv head): its query heads' outputs and log-sum-exps. */
+/* One (row, kv head): its query heads' outputs and log-sum-exps. The keys are transposed from where
+ * they lie (only the values, read once per block of queries, are gathered). */
 static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
-    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S;
-    gather_kv(a, b, kh, sc->kc, sc->vc);
-    transpose_keys(sc->kc, D, S, Sp, D, sc->kt);
+    int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S, P = a->P;
+    const float *kp = P ? a->kp + a->pidx[b] * a->kpsb + kh * a->kpsh : NULL;
+    gather_values(a, b, kh, sc->vc);
+    transpose_keys2(kp, a->kpst, P, a->k + b * a->ksb + kh * a->ksh, a->kst, S, Sp, D, sc->kt);
     for (int64_t g = 0; g < G; g++) {
         int64_t h = kh * G + g;
         for (int64_t t0 = 0; t0 < T; t0 += RB) {
@@ -405,15 +417,14 @@ static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh)
                 qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;
                 orow[r] = r < rows ? a->out + ((b * T + t) * H + h) * D : discard[r];
             }
-            float *lrow = a->lse + (b * H + h) * T + t0, lse_block[RB], inv[RB];
+            float *lrow = a->lse + (b * H + h) * T + t0, inv[RB];
             if (!key_range(a, b, t0, rows, Sp, &j0, &j1)) {
                 for (int64_t r = 0; r < rows; r++) memset(orow[r], 0, D * sizeof(float)), lrow[r] = 0.f;
                 continue;
             }
             row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
-            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lse_block, inv);
+            softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lrow, inv);
             weighted_rows(sc->p, Sp, sc->vc, D, D, j0, j1 < S ? j1 : S, inv, orow);
-            for (int64_t r = 0; r < rows; r++) lrow[r] = lse_block[r];
         }
     }
 }
