@@ -95,18 +95,40 @@ def spread(steps: list[float]) -> str:
     return f"{max(steps) / statistics.median(steps):.2f}" if steps else "-"
 
 
+def run_speedups(row: dict) -> list[float]:
+    """The speedup of each run pair on its own (TRL's median kept step of run i over hybridrl's), in
+    the order they ran; [] without TRL or where the kept steps do not split evenly into the runs.
+    The frameworks alternate run by run, so each pair saw the machine in about the same state, and
+    their spread is how far the pooled median's ratio could move on another sitting."""
+    hyb, trl, reps = row.get("hybridrl_steps") or [], row.get("trl_steps") or [], row["record"].get("reps", 0)
+    if not (hyb and trl and reps) or len(hyb) % reps or len(trl) % reps:
+        return []
+    h, t = len(hyb) // reps, len(trl) // reps
+    return [statistics.median(trl[i * t:(i + 1) * t]) / statistics.median(hyb[i * h:(i + 1) * h]) for i in range(reps)]
+
+
+def run_range(row: dict) -> str:
+    """``run_speedups`` as "1.45-1.53x" ("1.50x" when they agree to two places); "" when there are none."""
+    runs = run_speedups(row)
+    if not runs:
+        return ""
+    low, high = f"{min(runs):.2f}", f"{max(runs):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
 def e2e_table(rows: list[dict]) -> str:
     lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
-             "| hybridrl tok/s | TRL tok/s | speedup | matmul GFLOP/s (ranks) | floor s | hybridrl % of floor | TRL % of floor "
-             "| runs | slowest / median step (hybridrl / TRL) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hybridrl tok/s | TRL tok/s | speedup | speedup of each run | matmul GFLOP/s (ranks) | floor s "
+             "| hybridrl % of floor | TRL % of floor | runs | slowest / median step (hybridrl / TRL) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, has_trl = r["case"], "trl_step_s" in r
         trl = [fmt(r, "trl_step_s", "{:.2f}"), fmt(r, "trl_tok_s", "{:.0f}"), fmt(r, "speedup", "{:.2f}x")]
+        each = ", ".join(f"{x:.2f}x" for x in run_speedups(r)) or "-"
         lines.append(
             f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
             f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
-            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {peak_text(r)} | "
+            f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {each} | {peak_text(r)} | "
             f"{r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
             f"{len(r['hybridrl_steps'])}+{len(r.get('trl_steps', [])) if has_trl else 0} | "
@@ -198,6 +220,7 @@ class Measured:
     # baseline on this machine (the floor over the baseline's time); below the target, no framework
     # can meet it here, whatever it does
     ceiling: float | None = None
+    runs: str = ""  # ratio targets: the ratio of each run pair alone, "1.45-1.53x" (``run_range``)
 
     @property
     def reachable(self) -> bool:
@@ -206,9 +229,10 @@ class Measured:
     def cell(self) -> str:
         """The value, whether it meets the target and, where it does not, the ceiling ("2.69x at most")."""
         shown = f"{self.text} {'yes' if self.met else 'no'}"
+        notes = [f"runs {self.runs}"] if self.runs else []
         if not self.met and self.ceiling is not None:
-            shown += f" ({self.ceiling:.2f}x at most{'' if self.reachable else ': unreachable'})"
-        return shown
+            notes.append(f"{self.ceiling:.2f}x at most{'' if self.reachable else ': unreachable'}")
+        return f"{shown} ({'; '.join(notes)})" if notes else shown
 
 
 # the ratio each ratio target asks for
@@ -218,16 +242,18 @@ TARGET_RATIOS = {TARGETS[0]: 3.0, TARGETS[1]: 1.5, TARGETS[4]: 3.0}
 def e2e_targets(rows: list[dict]) -> list[Measured]:
     out = []
 
-    def add(target: str, row: dict, value: float | None, ok: bool, spec: str, ceiling: float | None = None) -> None:
+    def add(target: str, row: dict, value: float | None, ok: bool, spec: str, ceiling: float | None = None,
+            runs: str = "") -> None:
         if value is not None:
             out.append(Measured(target, f"{case_name(row)} ref={'yes' if row['with_ref'] else 'no'}",
-                                spec.format(value), ok, ceiling))
+                                spec.format(value), ok, ceiling, runs))
 
     for r in rows:
         model, speed = r["case"]["model"], r.get("speedup")
         if speed is not None:
             want = 3.0 if model == "tiny" else 1.5
-            add(f"e2e >= {want}x TRL tokens/s", r, speed, speed >= want, "{:.2f}x", 1.0 / r["trl_floor_frac"])
+            add(f"e2e >= {want}x TRL tokens/s", r, speed, speed >= want, "{:.2f}x", 1.0 / r["trl_floor_frac"],
+                run_range(r))
         if model != "tiny" and r["backend"] == "local":
             add("e2e >= 75% of floor", r, r["hybridrl_floor_frac"], r["hybridrl_floor_frac"] >= 0.75, "{:.1%}")
         if r["update_mfu"] is not None:
@@ -366,7 +392,9 @@ def render(machines: list[MachineResults]) -> str:
              "column. A ratio target that is not met also shows its ceiling, \"(2.69x at most)\": the ratio of a framework running "
              "exactly at the floor against the baseline's measured time (the floor over TRL's step, or the "
              "rollout's roofline over HF `generate`'s tok/s); where that is below the target, no framework can "
-             "meet it on that CPU.", "",
+             "meet it on that CPU. A ratio to TRL also shows the ratio of each run pair alone, \"(runs "
+             "1.45-1.53x)\": the frameworks alternate run by run, and how far those differ is how far the "
+             "pooled ratio could move on another sitting of the same machine.", "",
              "## Machines", "", machines_table(machines) if machines else "no results yet", "",
              "## Issue 10 targets on each machine", "", targets_summary(machines), "",
              targets_by_machine(machines), "", "## Commands", "", COMMANDS, ""]

@@ -125,5 +125,29 @@ def test_a_row_measured_against_the_square_peak_alone_says_so(tmp_path):
     (results / "zen4" / "grpo_tiny.json").write_text(json.dumps(newer))
     text = report.render(report.load_machines(results))
     zen4, zen5 = text.split("## zen4: ")[1].split("## zen5: ")
-    assert "| 2.50x | 100 | 0.275 |" in zen4 and report.SQUARE_PEAK_NOTE not in zen4
-    assert "| 3.51x | 100 sq | 0.275 |" in zen5 and report.SQUARE_PEAK_NOTE in zen5  # its record has no peak_of
+    assert "| 2.50x | - | 100 | 0.275 |" in zen4 and report.SQUARE_PEAK_NOTE not in zen4
+    assert "| 3.51x | - | 100 sq | 0.275 |" in zen5 and report.SQUARE_PEAK_NOTE in zen5  # its record has no peak_of
+
+
+def test_each_run_pairs_ratio_is_shown_beside_the_pooled_one(tmp_path):
+    """Two alternating runs of two kept steps each: the pooled medians give one ratio, each run pair
+    its own; the table lists both and the target cell the range (a 1.49x that one run put at 1.53x)."""
+    results = tmp_path / "results"
+    (results / "zen4").mkdir(parents=True)
+    rec = record(1.49, 0.88, "AMD EPYC (family 25, model 17)")
+    rec["reps"] = 2
+    row = rec["rows"][0]
+    row["case"]["model"] = row["case"]["name"] = "25m"
+    row["hybridrl_steps"], row["trl_steps"] = [11.74, 11.56, 11.25, 11.30], [16.83, 17.03, 17.01, 17.58]
+    (results / "zen4" / "grpo_25m.json").write_text(json.dumps(rec))
+    machines = report.load_machines(results)
+    (loaded,) = machines[0].rows
+    first, second = report.run_speedups(loaded)
+    assert abs(first - 16.93 / 11.65) < 1e-9 and abs(second - 17.295 / 11.275) < 1e-9
+    assert report.run_range(loaded) == "1.45-1.53x"
+    table = report.targets_by_machine(machines)
+    assert "| e2e >= 1.5x TRL tokens/s | 25m ref=no | 1.49x no (runs 1.45-1.53x; 5.00x at most) |" in table
+    assert "| 1.49x | 1.45x, 1.53x | 100 sq |" in report.render(machines)
+    # steps that do not split into the runs (or no TRL) give no per-run ratio rather than a wrong one
+    assert report.run_speedups({**loaded, "trl_steps": [17.0, 17.1, 17.2]}) == []
+    assert report.run_speedups({**loaded, "trl_steps": []}) == [] and report.run_range({**loaded, "trl_steps": []}) == ""
