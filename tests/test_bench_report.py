@@ -151,3 +151,15 @@ def test_each_run_pairs_ratio_is_shown_beside_the_pooled_one(tmp_path):
     # steps that do not split into the runs (or no TRL) give no per-run ratio rather than a wrong one
     assert report.run_speedups({**loaded, "trl_steps": [17.0, 17.1, 17.2]}) == []
     assert report.run_speedups({**loaded, "trl_steps": []}) == [] and report.run_range({**loaded, "trl_steps": []}) == ""
+
+
+def test_the_kv_cache_table_lands_in_its_machines_section(tmp_path):
+    results = write_results(tmp_path)
+    table = ("# KV cache dtype\n\nNative rollout, float32 vs float16 KV cache, on AMD EPYC.\n\n"
+             "| model | float32 cache tok/s | float16 cache tok/s | speedup |\n|---|---|---|---|\n"
+             "| SmolLM2-135M-Instruct | 300 | 360 | 1.20x |\n")
+    (results / "zen4" / "kv_cache.md").write_text(table)
+    text = report.render(report.load_machines(results))
+    zen4, zen5 = text.split("## zen4: ")[1].split("## zen5: ")
+    assert "### Rollout: float32 vs float16 KV cache (opt-in)" in zen4 and "| SmolLM2-135M-Instruct | 300 | 360 | 1.20x |" in zen4
+    assert "# KV cache dtype" not in text and "KV cache (opt-in)" not in zen5

@@ -220,6 +220,7 @@ class RolloutConfig:
     prompt_length: int = opt(ref("data.max_prompt_length"), "P of the rollout")
     response_length: int = opt(ref("data.max_response_length"), "R: maximum new tokens")
     dtype: str = opt("bfloat16", "rollout weights dtype", ("bfloat16", "float16", "float32"))
+    kv_cache_dtype: str = opt("auto", "hybridrl, native engine: the KV cache's dtype; auto = the model's, float16 = an fp32 model's keys and values rounded to float16, half the bytes for the decode attention to read (the fused CPU kernels; rollout log-probs then differ slightly from the trainer's)", ("auto", "float16"))
     ignore_eos: bool = opt(False, "keep generating after EOS")
     calculate_log_probs: bool = opt(False, "return rollout_log_probs (needed by TIS / rollout importance sampling)")
     gpu_memory_utilization: float = opt(0.5, "vllm: fraction of GPU memory for weights + KV cache")

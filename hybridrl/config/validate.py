@@ -219,6 +219,10 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     if algo.filter_groups.enable and arr.rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 "
                       "(groups of one sample never vary and would all be dropped)")
+    if arr.rollout.kv_cache_dtype != "auto" and arr.rollout.name != "native":
+        errors.append(f"actor_rollout_ref.rollout.kv_cache_dtype={arr.rollout.kv_cache_dtype} is the native engine's; "
+                      f"rollout.name={arr.rollout.name} keeps its own cache (vLLM: +actor_rollout_ref.rollout.vllm."
+                      "kv_cache_dtype=...)")
     tp = arr.rollout.tensor_model_parallel_size
     if arr.rollout.name == "vllm" and tp > 1 and trainer.device == "cpu":
         warnings.warn(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is ignored on trainer.device=cpu: "

@@ -170,10 +170,23 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *quer
 }
 
 #if HR_SIMD == 512
-/* head_dim 64 with the group's queries and sums in registers (four vectors per head). */
-static inline __attribute__((always_inline)) void attend64(const float *queries, const float *pkeys,
-        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
-        int64_t length, float scale, float *weights, float *o, const int64_t group, const float *next_keys) {
+/* 16 cache values from element i of p as floats: float32, or float16 (`half`, a constant at every
+ * call site, so each caller's loop has one of the two loads). */
+static inline __attribute__((always_inline)) __m512 load_kv16(const void *p, int64_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* Slot t's row of d elements: from the shared base below `shared`, else the row's own. */
+#define HR_SLOT_AT(shared_base, own_base, t, half)                                                         \
+    ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * ((half) ? 2 : 4))
+
+/* head_dim 64 with the group's queries and sums in registers (four vectors per head); the cache
+ * float32 or float16 (`half`: converted in registers as it is read, no copy). */
+static inline __attribute__((always_inline)) void attend64(const float *queries, const void *pkeys,
+        const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
+        int64_t length, float scale, float *weights, float *o, const int64_t group, const void *next_keys,
+        const int half) {
     const int64_t d = 64;
     __m512 q[8][4], a[8][4];
     float top[8], total[8];
@@ -182,15 +195,15 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) q[g][j] = _mm512_loadu_ps(queries + g * 64 + 16 * j);
     }
     for (int64_t t = 0; t < length; t++) {
-        const float *k = HR_SLOT(pkeys, keys, t), *v = HR_SLOT(pvalues, values, t);
-        const float *ahead = t + KV_AHEAD < length ? HR_SLOT(pkeys, keys, t + KV_AHEAD)
-                                                   : next_keys + (t + KV_AHEAD - length) * d;
+        const char *k = HR_SLOT_AT(pkeys, keys, t, half), *v = HR_SLOT_AT(pvalues, values, t, half);
+        const char *ahead = t + KV_AHEAD < length ? HR_SLOT_AT(pkeys, keys, t + KV_AHEAD, half)
+                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * (half ? 2 : 4);
         for (int j = 0; j < 4; j++) {
-            _mm_prefetch((const char *)(ahead + 16 * j), _MM_HINT_T0);
-            _mm_prefetch((const char *)(v + 16 * j), _MM_HINT_T1);
+            _mm_prefetch(ahead + 16 * j * (half ? 2 : 4), _MM_HINT_T0);
+            _mm_prefetch(v + 16 * j * (half ? 2 : 4), _MM_HINT_T1);
         }
-        __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
-               k3 = _mm512_loadu_ps(k + 48);
+        __m512 k0 = load_kv16(k, 0, half), k1 = load_kv16(k, 16, half), k2 = load_kv16(k, 32, half),
+               k3 = load_kv16(k, 48, half);
         for (int64_t g = 0; g < group; g++) {
             __m512 p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q[g][0], k0), _mm512_mul_ps(q[g][1], k1)),
                                      _mm512_add_ps(_mm512_mul_ps(q[g][2], k2), _mm512_mul_ps(q[g][3], k3)));
@@ -203,9 +216,9 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
     for (int64_t g = 0; g < group; g++)
         for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t++) {
-        const float *v = HR_SLOT(pvalues, values, t);
-        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-               v3 = _mm512_loadu_ps(v + 48);
+        const char *v = HR_SLOT_AT(pvalues, values, t, half);
+        __m512 v0 = load_kv16(v, 0, half), v1 = load_kv16(v, 16, half), v2 = load_kv16(v, 32, half),
+               v3 = load_kv16(v, 48, half);
         for (int64_t g = 0; g < group; g++) {
             __m512 w = _mm512_set1_ps(weights[g * length + t]);
             a[g][0] = _mm512_add_ps(a[g][0], _mm512_mul_ps(w, v0));
@@ -219,7 +232,8 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + g * 64 + 16 * j, _mm512_mul_ps(a[g][j], inv));
     }
 }
-#define HR_ATTEND64(G) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys); return; }
+#undef HR_SLOT_AT
+#define HR_ATTEND64(G) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, 0); return; }
 #else
 #define HR_ATTEND64(G)
 #endif
@@ -238,51 +252,128 @@ static void attend(const float *queries, const float *pkeys, const float *pvalue
     attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_keys);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * A float16 KV cache (`kv_cache_dtype=float16`, opt-in): half the bytes for the decode attention to
+ * read, which at long sequences is a large part of a decode step (SmolLM2, 32 rows, 576 positions:
+ * 33 ms of attention beside 46 of products). Keys and values are rounded to float16 (to nearest,
+ * as torch's conversion rounds the prefill's) when written. Head size 64 on AVX-512 reads them in
+ * place, widened in registers by attend64's loads; other shapes widen each (row, kv head)'s slots
+ * into a float scratch before the same fp32 attention as above reads them (that alone, for every
+ * shape, made SmolLM2 at 512 tokens 8% slower than the fp32 cache). Either way the result is the
+ * fp32 kernel's on a cache holding the rounded values, to float rounding. F16C conversions (every
+ * AVX2 machine has them); without them hr_kv_half_supported() is 0.
+ * ------------------------------------------------------------------------------------------- */
+#if HR_SIMD && defined(__F16C__)
+#define HR_KV_HALF 1
+#else
+#define HR_KV_HALF 0
+#endif
+
+int hr_kv_half_supported(void) { return HR_KV_HALF; }
+
+#if HR_KV_HALF
+static inline void halves_to_floats(const uint16_t *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if HR_SIMD == 512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))));
+#endif
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    for (; i < n; i++) y[i] = _cvtsh_ss(x[i]);
+}
+
+static inline void floats_to_halves(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+#endif
+
 /* One new token per row: rotate its queries and keys, store its key and value at `slot`, and attend
  * over slots [0, length) of its row (valid ones only). out (rows, heads * head_dim), query head
  * h * group + g reads kv head h (HF's repeat_kv order).
  *
  * Shared prompts (`source` not NULL): slots [0, shared) of row r are those of prompt source[r] in
  * pkcache / pvcache (strides prow_stride, phead_stride), written once by the prefill and read by
- * every sample of the prompt; the row's own cache holds slot s >= shared at index s - shared. */
+ * every sample of the prompt; the row's own cache holds slot s >= shared at index s - shared.
+ *
+ * The cache pointers are float32, or float16 with `half` (uint16 values; the strides count
+ * elements either way; without F16C `half` is never asked for: the Python side checks
+ * hr_kv_half_supported). */
 void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos, const float *ssin,
-                         float *kcache, float *vcache, int64_t row_stride, int64_t head_stride,
+                         void *kcache, void *vcache, int64_t row_stride, int64_t head_stride,
                          const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t length, float *out,
                          int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                         const float *pkcache, const float *pvcache, int64_t prow_stride, int64_t phead_stride,
-                         const int64_t *source, int64_t shared, int nthreads) {
-    int64_t group = heads / kv_heads;
+                         const void *pkcache, const void *pvcache, int64_t prow_stride, int64_t phead_stride,
+                         const int64_t *source, int64_t shared, int half, int nthreads) {
+#if !HR_KV_HALF
+    half = 0;
+#endif
+    int64_t group = heads / kv_heads, size = half ? 2 : 4;
     if (source == NULL) shared = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *weights = (float *)malloc(sizeof(float) * (size_t)(group * length));
         float *queries = (float *)malloc(sizeof(float) * (size_t)(group * d));
+        /* float16: the new key before rounding, and other shapes' slots widened (one row each past) */
+        float *kbuf = half ? (float *)malloc(sizeof(float) * (size_t)(length * d + d)) : NULL;
+        float *vbuf = half ? (float *)malloc(sizeof(float) * (size_t)(length * d)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * kv_heads; task++) {
             int64_t r = task / kv_heads, h = task % kv_heads;
             const float *src = qkv + r * qkv_stride;
             const float *c = cos + r * d, *s = ssin + r * d;
-            float *keys = kcache + r * row_stride + h * head_stride;
-            float *values = vcache + r * row_stride + h * head_stride;
-            const float *pkeys = keys, *pvalues = values;
+            char *keys = (char *)kcache + (r * row_stride + h * head_stride) * size;
+            char *values = (char *)vcache + (r * row_stride + h * head_stride) * size;
+            const char *pkeys = keys, *pvalues = values;
             if (shared) {
-                pkeys = pkcache + source[r] * prow_stride + h * phead_stride;
-                pvalues = pvcache + source[r] * prow_stride + h * phead_stride;
+                pkeys = (const char *)pkcache + (source[r] * prow_stride + h * phead_stride) * size;
+                pvalues = (const char *)pvcache + (source[r] * prow_stride + h * phead_stride) * size;
             }
             const uint8_t *ok = valid + r * valid_stride;
-            rotate(src + (heads + h) * d, c, s, keys + (slot - shared) * d, d);
-            memcpy(values + (slot - shared) * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+            float *o = out + r * heads * d + h * group * d;
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
             /* where the next task starts reading (a prefetch never faults: past the last task it
              * reads ahead harmlessly) */
-            const float *next_keys = h + 1 < kv_heads ? keys + head_stride : kcache + (r + 1) * row_stride;
+            const char *next_keys = h + 1 < kv_heads ? keys + head_stride * size : (char *)kcache + (r + 1) * row_stride * size;
             if (shared && r + 1 < rows)
-                next_keys = h + 1 < kv_heads ? pkeys + phead_stride : pkcache + source[r + 1] * prow_stride;
-            attend(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights,
-                   out + r * heads * d + h * group * d, group, d, next_keys);
+                next_keys = h + 1 < kv_heads ? pkeys + phead_stride * size
+                                             : (const char *)pkcache + source[r + 1] * prow_stride * size;
+            if (!half) {
+                rotate(src + (heads + h) * d, c, s, (float *)keys + (slot - shared) * d, d);
+                memcpy((float *)values + (slot - shared) * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+                attend(queries, (const float *)pkeys, (const float *)pvalues, (const float *)keys, (const float *)values,
+                       shared, ok, length, scale, weights, o, group, d, (const float *)next_keys);
+                continue;
+            }
+#if HR_KV_HALF
+            uint16_t *k16 = (uint16_t *)keys, *v16 = (uint16_t *)values;
+            rotate(src + (heads + h) * d, c, s, kbuf + length * d, d);
+            floats_to_halves(kbuf + length * d, k16 + (slot - shared) * d, d);
+            floats_to_halves(src + (heads + kv_heads + h) * d, v16 + (slot - shared) * d, d);
+#if HR_SIMD == 512
+            if (d == 64 && group <= 8) { /* read in place, converted in registers */
+                switch (group) {
+#define HR_HALF64(G) case G: attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, 1); break;
+                    HR_HALF64(1) HR_HALF64(2) HR_HALF64(3) HR_HALF64(4) HR_HALF64(5) HR_HALF64(6) HR_HALF64(7) HR_HALF64(8)
+#undef HR_HALF64
+                }
+                continue;
+            }
+#endif
+            /* other shapes: the slots widened into a float scratch, then the float32 attention */
+            halves_to_floats((const uint16_t *)pkeys, kbuf, shared * d);
+            halves_to_floats((const uint16_t *)pvalues, vbuf, shared * d);
+            halves_to_floats(k16, kbuf + shared * d, (length - shared) * d);
+            halves_to_floats(v16, vbuf + shared * d, (length - shared) * d);
+            attend(queries, kbuf, vbuf, kbuf, vbuf, 0, ok, length, scale, weights, o, group, d, kbuf);
+#endif
         }
         free(weights);
         free(queries);
+        free(kbuf);
+        free(vbuf);
     }
 }
 
@@ -590,21 +681,22 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
 void hr_decode_layers(float *hidden, float *normed, float *qkv, float *attn, float *proj, float *gate_up,
                       float *act, int64_t rows, int64_t width, int64_t layers, int64_t embed, int64_t qkv_width,
                       int64_t inter, const float *const *weights, const float *const *norms, const float *eps,
-                      float *cache, int64_t layer_stride, int64_t kv_stride, int64_t row_stride,
-                      int64_t head_stride, const float *prompts, int64_t prompt_layer_stride,
+                      void *cache, int64_t layer_stride, int64_t kv_stride, int64_t row_stride,
+                      int64_t head_stride, const void *prompts, int64_t prompt_layer_stride,
                       int64_t prompt_kv_stride, int64_t prow_stride, int64_t phead_stride,
                       const int64_t *source, int64_t shared, const float *cos, const float *ssin,
                       const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t heads, int64_t kv_heads,
-                      int64_t d, float scale, int nthreads) {
+                      int64_t d, float scale, int half, int nthreads) {
+    int64_t size = half ? 2 : 4; /* bytes per cache element; the strides count elements */
     for (int64_t l = 0; l < layers; l++) {
         const float *const *w = weights + 8 * l;
-        float *keys = cache + l * layer_stride;
-        const float *pkeys = prompts ? prompts + l * prompt_layer_stride : NULL;
+        char *keys = (char *)cache + l * layer_stride * size;
+        const char *pkeys = prompts ? (const char *)prompts + l * prompt_layer_stride * size : NULL;
         hr_dense(normed, width, embed, w[0], qkv_width, w[1], qkv, nthreads);
-        hr_decode_attention(qkv, qkv_width, cos, ssin, keys, keys + kv_stride, row_stride, head_stride, valid,
+        hr_decode_attention(qkv, qkv_width, cos, ssin, keys, keys + kv_stride * size, row_stride, head_stride, valid,
                             valid_stride, slot, slot + 1, attn, rows, heads, kv_heads, d, scale, pkeys,
-                            pkeys ? pkeys + prompt_kv_stride : NULL, prow_stride, phead_stride, source, shared,
-                            nthreads);
+                            pkeys ? pkeys + prompt_kv_stride * size : NULL, prow_stride, phead_stride, source, shared,
+                            half, nthreads);
         hr_dense(attn, width, heads * d, w[2], embed, w[3], proj, nthreads);
         hr_add_rms_norm(hidden, proj, norms[2 * l], normed, rows, embed, eps[2 * l], nthreads);
         hr_dense(normed, width, embed, w[4], 2 * inter, w[5], gate_up, nthreads);

@@ -35,9 +35,9 @@ _SIGNATURES = {
     "hr_pack_rows": [_PTR, _I64, _I64, _PTR, _I64, _INT],
     "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
-                            _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
+                            _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT],
     "hr_decode_layers": [_PTR] * 7 + [_I64] * 6 + [_PTR] * 4 + [_I64] * 4 + [_PTR] + [_I64] * 4
-                        + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+                        + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT],
 }
 
 
@@ -100,6 +100,9 @@ class CpuKernels:
         self._packed_floats = lib.hr_packed_floats  # the layout's size is the C side's to say
         # the matmul kernel needs AVX-512 or AVX2 + FMA; builds without leave decode matmuls to torch
         self.dense_supported = bool(lib.hr_dense_supported())
+        # a float16 KV cache (`kv_cache_dtype`): F16C conversions, which SIMD builds have on x86-64
+        lib.hr_kv_half_supported.argtypes, lib.hr_kv_half_supported.restype = [], _INT
+        self.kv_half_supported = bool(lib.hr_kv_half_supported())
 
     def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor, rows: int) -> None:
@@ -122,7 +125,9 @@ class CpuKernels:
         bool; out (R, heads D). Shared prompts: ``prompts`` = (keys, values) of the prompts (N,
         kv_heads, P, D), slot dimension contiguous per head, ``source`` (rows,) int64 each row's
         prompt, ``shared`` the slots [0, shared) read from it; the rows' own cache then holds slot
-        s >= shared at index s - shared (``slot`` stays the absolute slot)."""
+        s >= shared at index s - shared (``slot`` stays the absolute slot). The caches are float32, or
+        all float16 where ``kv_half_supported``: the new key and value are stored rounded to float16 and
+        the attention reads the rounded slots (exactly the float32 kernel on those values)."""
         d = cos.shape[-1]
         if prompts is None:
             pk = pv = src = None
@@ -132,10 +137,23 @@ class CpuKernels:
                 raise ValueError("decode_attention: shared prompts need a source per row and keys/values alike")
             pk, pv, src = prompts[0].data_ptr(), prompts[1].data_ptr(), source.data_ptr()
             p_row, p_head = prompts[0].stride(0), prompts[0].stride(1)
+        half = self._half(keys, values, *(prompts or ()))
         self._attention(qkv.data_ptr(), qkv.shape[-1], cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
                         values.data_ptr(), keys.stride(0), keys.stride(1), valid.data_ptr(), valid.stride(0),
                         slot, slot + 1, out.data_ptr(), rows, heads, kv_heads, d, scale, pk, pv, p_row, p_head,
-                        src, shared, torch.get_num_threads())
+                        src, shared, half, torch.get_num_threads())
+
+    def _half(self, *caches: torch.Tensor) -> int:
+        """1 for float16 cache tensors (which this build must support), 0 for float32; anything else,
+        or a mix, is refused before a kernel reads the memory with the wrong element size."""
+        dtypes = {t.dtype for t in caches}
+        if dtypes == {torch.float32}:
+            return 0
+        if dtypes != {torch.float16}:
+            raise ValueError(f"KV cache tensors must all be float32 or all float16, got {sorted(map(str, dtypes))}")
+        if not self.kv_half_supported:
+            raise ValueError("a float16 KV cache needs F16C conversions, which this build of the CPU kernels lacks")
+        return 1
 
     def pack_weight(self, *weights: torch.Tensor) -> torch.Tensor:
         """Weights (n_i, k), stacked along n as ``torch.cat(weights)`` would be (q, k, v; gate, up),
@@ -177,7 +195,8 @@ class CpuKernels:
         the same bits. ``hidden`` (W, E) is updated in place; ``normed`` (W, E) holds layer 0's input
         norm on entry and the final norm on return; ``rows`` <= W rows are live. ``cache`` is the
         KV cache's buffer (L, 2, max_rows, kv_heads, S, D), ``prompts`` the shared prompts' store
-        (L, 2, N, kv_heads, P, D) with ``source`` and ``shared`` as for `decode_attention`, or None."""
+        (L, 2, N, kv_heads, P, D) with ``source`` and ``shared`` as for `decode_attention`, or None;
+        both float32, or both float16 where ``kv_half_supported``."""
         width, embed = hidden.shape
         d = cos.shape[-1]
         qkv = hidden.new_empty(width, tables.qkv_width)
@@ -197,7 +216,7 @@ class CpuKernels:
                             cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
                             p_ptr, p_layer, p_kv, p_row, p_head, src, shared, cos.data_ptr(), signed_sin.data_ptr(),
                             valid.data_ptr(), valid.stride(0), slot, heads, kv_heads, d, scale,
-                            torch.get_num_threads())
+                            self._half(cache, *(() if prompts is None else (prompts,))), torch.get_num_threads())
 
     def select_tokens(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
                       log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,7 +225,7 @@ class CompactDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, pack_weights: bool | None = None,
-                 fused_kernels: bool | None = None) -> None:
+                 fused_kernels: bool | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         ok, why = supports_compact(model)
         if not ok:
             raise ValueError(f"CompactDecoder cannot run {type(model).__name__}: {why}")
@@ -246,12 +246,27 @@ class CompactDecoder:
         self.layers: list[_FusedLayer] = []
         self.refresh_weights()
         param = next(model.parameters())
-        self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim, param.dtype)
         self.kernels = self._load_kernels(fused_kernels)
+        self.cache = StaticKVCache(len(self.layers), self.num_kv_heads, self.head_dim,
+                                   self._cache_dtype(param.dtype, kv_cache_dtype))
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, D) cos, signed sin
         # n > 1 samples per prompt with the fused kernels: one copy of each prompt's cache slots
         # (`StaticKVCache.share_prompts`); off, every sample gets its own copy (same numbers)
         self.share_prompts = True
+
+    def _cache_dtype(self, model_dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+        """The KV cache's dtype: the model's, or float16 for an fp32 model decoded by the fused kernels
+        (`cpu_kernels.CpuKernels.decode_attention`: half the bytes for its attention to read)."""
+        if wanted is None or wanted == model_dtype:
+            return model_dtype
+        if wanted != torch.float16 or model_dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype={wanted} with {model_dtype} weights: the cache takes the model's dtype, "
+                             "or float16 for float32 weights")
+        if self.kernels is None or not self.kernels.kv_half_supported:
+            why = ("this build has no F16C conversions" if self.kernels is not None
+                   else kernels_unsupported(self.model) or "the CPU kernels are off or could not be built")
+            raise ValueError(f"kv_cache_dtype=float16 needs the native engine's fused CPU kernels: {why}")
+        return torch.float16
 
     def _load_kernels(self, wanted: bool | None) -> cpu_kernels.CpuKernels | None:
         why = kernels_unsupported(self.model)

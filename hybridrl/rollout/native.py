@@ -46,11 +46,15 @@ class NativeRolloutEngine:
     pack_weights: decode matmuls through MKL's packed GEMM (`CompactDecoder`); None: where supported.
     fused_kernels: a decode step's other per-layer work as fused C kernels (`CompactDecoder`);
         None: where they apply and build.
+    kv_cache_dtype: None keeps the KV cache in the model's dtype; torch.float16 stores an fp32
+        model's keys and values rounded to float16, halving what the decode attention reads
+        (`CompactDecoder` with the fused kernels; the rollout's log-probs then differ slightly from
+        the trainer's, as with any rollout that rounds differently).
     """
 
     def __init__(self, model: PreTrainedModel, max_num_seqs: int = 256, compact: bool | None = None,
                  share_weights: bool = False, pack_weights: bool | None = None,
-                 fused_kernels: bool | None = None) -> None:
+                 fused_kernels: bool | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         ok, why = supports_compact(model)
@@ -60,10 +64,13 @@ class NativeRolloutEngine:
         self.max_num_seqs = max_num_seqs
         self.share_weights = share_weights
         use_compact = ok if compact is None else compact
-        for name, wanted in (("pack_weights", pack_weights), ("fused_kernels", fused_kernels)):
+        for name, wanted in (("pack_weights", pack_weights), ("fused_kernels", fused_kernels),
+                             ("kv_cache_dtype", kv_cache_dtype)):
             if wanted and not use_compact:
-                raise ValueError(f"{name}=True needs the compact decoder (Llama/Qwen2 models)")
-        self.decoder = (CompactDecoder(model, pack_weights=pack_weights, fused_kernels=fused_kernels)
+                raise ValueError(f"{name}={wanted} needs the compact decoder (Llama/Qwen2 models)"
+                                 + ("" if compact is False else f": {why}"))
+        self.decoder = (CompactDecoder(model, pack_weights=pack_weights, fused_kernels=fused_kernels,
+                                       kv_cache_dtype=kv_cache_dtype)
                         if use_compact else HFDecoder(model))
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:

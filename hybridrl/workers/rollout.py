@@ -4,6 +4,7 @@ and the hybrid-engine weight sync from the colocated actor."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.protocol import DataProto
@@ -32,7 +33,8 @@ class RolloutWorker(Worker):
                                    override_config=dict(arr.model.override_config))
             # with a colocated actor the rollout adopts the streamed tensors: at world size 1 they are
             # the actor's own parameters, so later syncs copy nothing and one model copy is freed
-            self.engine = NativeRolloutEngine(model, share_weights=actor is not None)
+            kv_dtype = {"auto": None, "float16": torch.float16}[self.rollout.kv_cache_dtype]
+            self.engine = NativeRolloutEngine(model, share_weights=actor is not None, kv_cache_dtype=kv_dtype)
             generation_config = model.generation_config
         eos = eos_ids(tokenizer, generation_config)
         r = self.rollout

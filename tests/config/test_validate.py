@@ -136,3 +136,10 @@ def test_overlong_buffer_outside_dapo_warns_that_verl_would_not_apply_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)  # with dapo, as in verl: nothing to say
         load_config([*overrides, "reward_model.reward_manager=dapo"], preset="grpo_quickstart")
+
+
+def test_a_float16_kv_cache_is_the_native_engines():
+    cfg = load_config([*BASE, "actor_rollout_ref.rollout.kv_cache_dtype=float16"], preset="grpo_quickstart")
+    assert cfg.actor_rollout_ref.rollout.kv_cache_dtype == "float16"
+    message = errors_of("actor_rollout_ref.rollout.kv_cache_dtype=float16", "actor_rollout_ref.rollout.name=hf")
+    assert "actor_rollout_ref.rollout.kv_cache_dtype=float16 is the native engine's; rollout.name=hf" in message

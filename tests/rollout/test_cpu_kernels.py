@@ -145,6 +145,82 @@ def test_decode_attention_reads_shared_prompts_from_their_store(kernels, heads, 
 
 
 @pytest.fixture(scope="module")
+def half_kernels(kernels):
+    if not kernels.kv_half_supported:
+        pytest.skip("a float16 KV cache needs F16C conversions (an AVX-512 or AVX2 build)")
+    return kernels
+
+
+@pytest.mark.parametrize("plen", [0, 4], ids=["own-slots", "shared-prompts"])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 16), (4, 2, 32)])
+def test_a_float16_cache_is_the_float32_kernel_on_its_rounded_values(half_kernels, heads, kv_heads, d, plen):
+    # keys, values and the new token's that float16 holds exactly, rotary cos 1 and sin 0 (the new key
+    # is then its own input): the float16 cache's attention is the float32 kernel's on the same values
+    # (head size 64 reads the float16 slots in place, an instance of its own that -ffast-math may sum
+    # in another order: to float rounding; the others widen them into a scratch for the same code)
+    gen = torch.Generator().manual_seed(5)
+    rows, slots, slot = 4, 12, 9
+    cache = torch.randn(2, rows, kv_heads, slots - plen, d, generator=gen).half()
+    store = torch.randn(2, 2, kv_heads, max(plen, 1), d, generator=gen).half()[:, :, :, :plen]
+    source = torch.tensor([1, 1, 0, 0]) if plen else None
+    valid = torch.ones(rows, slots, dtype=torch.bool)
+    valid[2:, 0] = False
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen).half().float()
+    cos, sin = torch.ones(rows, d), torch.zeros(rows, d)
+    outs, caches = {}, {}
+    for dtype in (torch.float16, torch.float32):
+        kv, prompts = cache.to(dtype), (store[0].to(dtype), store[1].to(dtype)) if plen else None
+        outs[dtype] = torch.zeros(rows, heads * d)
+        half_kernels.decode_attention(qkv, cos, sin, kv[0], kv[1], valid, slot, outs[dtype], rows, heads, kv_heads,
+                                      0.125, prompts, source, plen)
+        caches[dtype] = kv
+    torch.testing.assert_close(outs[torch.float16], outs[torch.float32], rtol=1e-6, atol=1e-6)
+    assert torch.equal(caches[torch.float16].float(), caches[torch.float32])  # the new slot written alike
+
+
+def test_a_float16_cache_stores_the_new_token_rounded(half_kernels):
+    # with a real rotation the new key is the float32 kernel's rotated key, rounded to nearest float16
+    gen = torch.Generator().manual_seed(6)
+    rows, heads, kv_heads, d, slots, slot = 3, 4, 2, 32, 8, 5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    cos, sin = torch.randn(rows, d, generator=gen), _signed_sin(torch.randn(rows, d, generator=gen))
+    valid = torch.ones(rows, slots, dtype=torch.bool)
+    exact, half = torch.zeros(2, rows, kv_heads, slots, d), torch.zeros(2, rows, kv_heads, slots, d).half()
+    out = torch.zeros(rows, heads * d)
+    for cache in (exact, half):
+        half_kernels.decode_attention(qkv, cos, sin, cache[0], cache[1], valid, slot, out, rows, heads, kv_heads, 0.2)
+    assert torch.equal(half[:, :, :, slot], exact[:, :, :, slot].half())
+    assert not torch.equal(half[:, :, :, slot].float(), exact[:, :, :, slot])  # it was rounded
+    with pytest.raises(ValueError, match="must all be float32 or all float16"):
+        half_kernels.decode_attention(qkv, cos, sin, half[0], exact[1], valid, slot, out, rows, heads, kv_heads, 0.2)
+
+
+@pytest.mark.parametrize("pack", [None, False], ids=["one-call-per-step", "per-layer-calls"])
+def test_a_float16_kv_cache_rounds_only_the_cache(tiny_model, half_kernels, pack):
+    # greedy, 4 left-padded prompts x 3 samples sharing their prompt's slots, rows finishing early:
+    # the same tokens as the float32 cache, log-probs off by the cache's rounding and no more
+    params = greedy(n=3, stop_token_ids=tuple(range(2, 40)))
+    exact = run(NativeRolloutEngine(tiny_model, fused_kernels=True, pack_weights=pack), params)
+    engine = NativeRolloutEngine(tiny_model, fused_kernels=True, pack_weights=pack, kv_cache_dtype=torch.float16)
+    out = run(engine, params)
+    cache = engine.decoder.cache
+    assert cache.buffer.dtype == torch.float16 and cache.prompt_store.dtype == torch.float16
+    assert (engine.decoder.step_tables is not None) == (pack is None)
+    assert torch.equal(out["responses"], exact["responses"])
+    diff = (out["rollout_log_probs"] - exact["rollout_log_probs"]).abs().max()
+    assert 0 < diff < 1e-2  # 4e-3 (qwen2) here, against log-probs of order 1
+
+
+def test_a_float16_kv_cache_needs_the_fused_kernels(tiny_model):
+    with pytest.raises(ValueError, match="kv_cache_dtype=float16 needs the native engine's fused CPU kernels"):
+        NativeRolloutEngine(tiny_model, fused_kernels=False, kv_cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_cache_dtype=torch.float16 needs the compact decoder"):
+        NativeRolloutEngine(tiny_model, compact=False, kv_cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="or float16 for float32 weights"):
+        NativeRolloutEngine(tiny_model, kv_cache_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
 def dense_kernels(kernels):
     if not kernels.dense_supported:
         pytest.skip("the matmul kernel needs an AVX-512 or AVX2 + FMA build (this CPU or compiler has neither)")

@@ -38,3 +38,18 @@ def test_native_rollout_frees_its_cache_after_each_generation(model_dir, free):
     assert (decoder.packed_rows == 0) == free or not decoder.pack_weights
     again = worker.generate_sequences(prompts(model_dir))  # reallocates and repacks as needed
     assert torch.equal(again.batch["responses"], first.batch["responses"])  # same seed, same step
+
+
+def test_the_worker_builds_the_kv_cache_dtype_it_is_given(model_dir):
+    from hybridrl.rollout import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.kv_half_supported:
+        pytest.skip("a float16 KV cache needs the CPU kernels with F16C conversions")
+    config = load_config([f"actor_rollout_ref.model.path={model_dir}", "data.max_response_length=8",
+                          "actor_rollout_ref.rollout.kv_cache_dtype=float16",
+                          "actor_rollout_ref.rollout.free_cache_engine=false"], preset="grpo_quickstart")
+    worker = RolloutWorker(config)
+    out = worker.generate_sequences(prompts(model_dir))
+    assert out.batch["responses"].shape == (2 * config.actor_rollout_ref.rollout.n, 8)
+    assert worker.engine.decoder.cache.buffer.dtype == torch.float16
