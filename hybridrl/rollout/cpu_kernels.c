@@ -30,6 +30,47 @@
 
 #define MAX_GROUP 64 /* query heads per kv head handled on the stack */
 
+/* A float16 KV cache (`kv_cache_dtype=float16`) needs F16C conversions; without them
+ * hr_kv_half_supported() is 0 and the Python side never asks for one. */
+#if HR_SIMD && defined(__F16C__)
+#define HR_KV_HALF 1
+#else
+#define HR_KV_HALF 0
+#endif
+
+/* A float16 cache row read by the generic attention: widened into a buffer on the stack (in L1) with
+ * vector conversions before the float32 loops read it. The compiler does not vectorise a load of
+ * _Float16 with F16C alone (one element at a time). HR_HALF_ROW bounds the head size (checked). */
+#define HR_HALF_ROW 512
+#if HR_KV_HALF
+static inline void halves_to_floats(const uint16_t *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if HR_SIMD == 512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))));
+#endif
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    for (; i < n; i++) y[i] = _cvtsh_ss(x[i]);
+}
+#endif
+
+/* Row p of d elements as floats: p itself (float32), or with `half` (a constant at every call site)
+ * p's float16 values widened into buf. */
+static inline __attribute__((always_inline)) const float *kv_row(const char *p, float *buf, int64_t d, const int half) {
+#if HR_KV_HALF
+    if (half) {
+        halves_to_floats((const uint16_t *)p, buf, d);
+        return buf;
+    }
+#else
+    (void)buf, (void)d, (void)half;
+#endif
+    return (const float *)p;
+}
+
+/* Slot t's row of d elements: from the shared base below `shared`, else the row's own. */
+#define HR_SLOT_AT(shared_base, own_base, t, half)                                                         \
+    ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * ((half) ? 2 : 4))
+
 /* The norm and the activation split their rows over the threads from this many values on (32 SmolLM2
  * rows are 18432 and 49152). With the earlier threshold of 65536, a 32-row decode step ran both on
  * one thread while the other waited; two threads on a Zen 4, per call: silu 21.9 -> 15.4 us and norm
@@ -120,25 +161,26 @@ static inline __attribute__((always_inline)) void exp_scores(float *weights, int
  * requested KV_AHEAD slots ahead of the one being scored, and each slot's values (read by the
  * second pass) alongside it; the last slots read ahead into the next (row, head)'s keys, so its
  * stream starts warm. A prefetch never faults, so reading ahead past the last slot is safe. */
-#define HR_SLOT(shared_base, own_base, t) ((t) < shared ? (shared_base) + (t) * d : (own_base) + ((t) - shared) * d)
-static inline __attribute__((always_inline)) void attend_into(const float *queries, const float *pkeys,
-        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
+static inline __attribute__((always_inline)) void attend_into(const float *queries, const void *pkeys,
+        const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *acc, float *o, const int64_t group, const int64_t d,
-        const float *next_keys) {
-    float top[MAX_GROUP], total[MAX_GROUP];
+        const void *next_keys, const int half) {
+    const int64_t size = half ? 2 : 4;
+    float top[MAX_GROUP], total[MAX_GROUP], widened[HR_HALF_ROW];
     for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
     for (int64_t t = 0; t < length; t++) {
-        const float *k = HR_SLOT(pkeys, keys, t), *v = HR_SLOT(pvalues, values, t);
-        const float *ahead = t + KV_AHEAD < length ? HR_SLOT(pkeys, keys, t + KV_AHEAD)
-                                                   : next_keys + (t + KV_AHEAD - length) * d;
-        for (int64_t i = 0; i < d; i += 16) {
+        const char *k = HR_SLOT_AT(pkeys, keys, t, half), *v = HR_SLOT_AT(pvalues, values, t, half);
+        const char *ahead = t + KV_AHEAD < length ? HR_SLOT_AT(pkeys, keys, t + KV_AHEAD, half)
+                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * size;
+        for (int64_t i = 0; i < d * size; i += 64) {
             __builtin_prefetch(ahead + i, 0, 3);
             __builtin_prefetch(v + i, 0, 2);
         }
+        const float *kf = kv_row(k, widened, d, half);
         for (int64_t g = 0; g < group; g++) {
             const float *q = queries + g * d;
             float dot = 0.f;
-            for (int64_t i = 0; i < d; i++) dot += q[i] * k[i];
+            for (int64_t i = 0; i < d; i++) dot += q[i] * kf[i];
             float score = ok[t] ? dot * scale : -1e30f; /* exp(-1e30 - top) is 0 */
             weights[g * length + t] = score;
             top[g] = score > top[g] ? score : top[g];
@@ -147,10 +189,10 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
     exp_scores(weights, length, group, top, total);
     for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;
     for (int64_t t = 0; t < length; t++) {
-        const float *v = HR_SLOT(pvalues, values, t);
+        const float *vf = kv_row(HR_SLOT_AT(pvalues, values, t, half), widened, d, half);
         for (int64_t g = 0; g < group; g++) {
             float w = weights[g * length + t];
-            for (int64_t i = 0; i < d; i++) acc[g * d + i] += w * v[i];
+            for (int64_t i = 0; i < d; i++) acc[g * d + i] += w * vf[i];
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -160,13 +202,13 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
 }
 
 /* One shape with group and d known to the compiler: loops unrolled, the sums in registers. */
-static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const float *pkeys,
-        const float *pvalues, const float *keys, const float *values, int64_t shared, const uint8_t *ok,
+static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const void *pkeys,
+        const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *o, const int64_t group, const int64_t d,
-        const float *next_keys) {
+        const void *next_keys, const int half) {
     float acc[MAX_FIXED];
     attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, acc, o, group, d,
-                next_keys);
+                next_keys, half);
 }
 
 #if HR_SIMD == 512
@@ -176,10 +218,6 @@ static inline __attribute__((always_inline)) __m512 load_kv16(const void *p, int
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
                 : _mm512_loadu_ps((const float *)p + i);
 }
-
-/* Slot t's row of d elements: from the shared base below `shared`, else the row's own. */
-#define HR_SLOT_AT(shared_base, own_base, t, half)                                                         \
-    ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * ((half) ? 2 : 4))
 
 /* head_dim 64 with the group's queries and sums in registers (four vectors per head); the cache
  * float32 or float16 (`half`: converted in registers as it is read, no copy). */
@@ -232,62 +270,60 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + g * 64 + 16 * j, _mm512_mul_ps(a[g][j], inv));
     }
 }
-#undef HR_SLOT_AT
-#define HR_ATTEND64(G) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, 0); return; }
+#define HR_ATTEND64(G, HALF) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, HALF); return; }
 #else
-#define HR_ATTEND64(G)
+#define HR_ATTEND64(G, HALF)
 #endif
-#undef HR_SLOT
+#undef HR_SLOT_AT
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
- * shape through the same code with its sizes at run time */
-static void attend(const float *queries, const float *pkeys, const float *pvalues, const float *keys,
-                   const float *values, int64_t shared, const uint8_t *ok, int64_t length, float scale,
-                   float *weights, float *o, int64_t group, int64_t d, const float *next_keys) {
-    HR_ATTEND64(1) HR_ATTEND64(2) HR_ATTEND64(3) HR_ATTEND64(4) HR_ATTEND64(5) HR_ATTEND64(6) HR_ATTEND64(7) HR_ATTEND64(8)
-#define HR_FIXED(G, D) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_keys); return; }
-    HR_FIXED(1, 64) HR_FIXED(2, 64) HR_FIXED(3, 64) HR_FIXED(4, 64) HR_FIXED(5, 64) HR_FIXED(6, 64) HR_FIXED(7, 64) HR_FIXED(8, 64)
-    HR_FIXED(1, 128) HR_FIXED(2, 128) HR_FIXED(3, 128) HR_FIXED(4, 128) HR_FIXED(1, 32) HR_FIXED(2, 32) HR_FIXED(4, 32)
-#undef HR_FIXED
-    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_keys);
+ * shape through the same code with its sizes at run time; each for a float32 cache and, where
+ * F16C is built in, a float16 one read in place */
+#define HR_FIXED(G, D, HALF) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_keys, HALF); return; }
+#define HR_DISPATCH(HALF)                                                                                      \
+    HR_ATTEND64(1, HALF) HR_ATTEND64(2, HALF) HR_ATTEND64(3, HALF) HR_ATTEND64(4, HALF) HR_ATTEND64(5, HALF)    \
+    HR_ATTEND64(6, HALF) HR_ATTEND64(7, HALF) HR_ATTEND64(8, HALF)                                              \
+    HR_FIXED(1, 64, HALF) HR_FIXED(2, 64, HALF) HR_FIXED(3, 64, HALF) HR_FIXED(4, 64, HALF)                    \
+    HR_FIXED(5, 64, HALF) HR_FIXED(6, 64, HALF) HR_FIXED(7, 64, HALF) HR_FIXED(8, 64, HALF)                    \
+    HR_FIXED(1, 128, HALF) HR_FIXED(2, 128, HALF) HR_FIXED(3, 128, HALF) HR_FIXED(4, 128, HALF)                \
+    HR_FIXED(1, 32, HALF) HR_FIXED(2, 32, HALF) HR_FIXED(4, 32, HALF)                                           \
+    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_keys, HALF);
+static void attend(const float *queries, const void *pkeys, const void *pvalues, const void *keys,
+                   const void *values, int64_t shared, const uint8_t *ok, int64_t length, float scale,
+                   float *weights, float *o, int64_t group, int64_t d, const void *next_keys, int half) {
+#if HR_KV_HALF
+    if (half) {
+        HR_DISPATCH(1)
+        return;
+    }
+#else
+    (void)half;
+#endif
+    HR_DISPATCH(0)
 }
+#undef HR_DISPATCH
+#undef HR_FIXED
 
 /* ---------------------------------------------------------------------------------------------
  * A float16 KV cache (`kv_cache_dtype=float16`, opt-in): half the bytes for the decode attention to
  * read, which at long sequences is a large part of a decode step (SmolLM2, 32 rows, 576 positions:
  * 33 ms of attention beside 46 of products). Keys and values are rounded to float16 (to nearest,
- * as torch's conversion rounds the prefill's) when written. Head size 64 on AVX-512 reads them in
- * place, widened in registers by attend64's loads; other shapes widen each (row, kv head)'s slots
- * into a float scratch before the same fp32 attention as above reads them (that alone, for every
- * shape, made SmolLM2 at 512 tokens 8% slower than the fp32 cache). Either way the result is the
- * fp32 kernel's on a cache holding the rounded values, to float rounding. F16C conversions (every
- * AVX2 machine has them); without them hr_kv_half_supported() is 0.
+ * as torch's conversion rounds the prefill's) when written, and the attention above reads them in
+ * place, widening them as it loads them (attend64's vector loads; elsewhere each slot's row into an
+ * L1 buffer, kv_row): the result is the fp32 kernel's on a cache holding the rounded values, to
+ * float rounding. Widening every (row,
+ * head)'s slots into a float scratch first made SmolLM2 at 512 tokens 8% slower than the fp32 cache.
  * ------------------------------------------------------------------------------------------- */
-#if HR_SIMD && defined(__F16C__)
-#define HR_KV_HALF 1
-#else
-#define HR_KV_HALF 0
-#endif
-
 int hr_kv_half_supported(void) { return HR_KV_HALF; }
 
 #if HR_KV_HALF
-static inline void halves_to_floats(const uint16_t *x, float *y, int64_t n) {
-    int64_t i = 0;
-#if HR_SIMD == 512
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))));
-#endif
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
-    for (; i < n; i++) y[i] = _cvtsh_ss(x[i]);
-}
-
+/* n floats rounded to float16 (to nearest even, as torch converts) */
 static inline void floats_to_halves(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
-
 #endif
 
 /* One new token per row: rotate its queries and keys, store its key and value at `slot`, and attend
@@ -310,15 +346,13 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
 #if !HR_KV_HALF
     half = 0;
 #endif
+    if (half && d > HR_HALF_ROW) return; /* refused before the call (CpuKernels._half) */
     int64_t group = heads / kv_heads, size = half ? 2 : 4;
     if (source == NULL) shared = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *weights = (float *)malloc(sizeof(float) * (size_t)(group * length));
-        float *queries = (float *)malloc(sizeof(float) * (size_t)(group * d));
-        /* float16: the new key before rounding, and other shapes' slots widened (one row each past) */
-        float *kbuf = half ? (float *)malloc(sizeof(float) * (size_t)(length * d + d)) : NULL;
-        float *vbuf = half ? (float *)malloc(sizeof(float) * (size_t)(length * d)) : NULL;
+        float *queries = (float *)malloc(sizeof(float) * (size_t)((group + 1) * d)); /* + a rotated key */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * kv_heads; task++) {
             int64_t r = task / kv_heads, h = task % kv_heads;
@@ -331,8 +365,18 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
                 pkeys = (const char *)pkcache + (source[r] * prow_stride + h * phead_stride) * size;
                 pvalues = (const char *)pvcache + (source[r] * prow_stride + h * phead_stride) * size;
             }
-            const uint8_t *ok = valid + r * valid_stride;
-            float *o = out + r * heads * d + h * group * d;
+            const float *value = src + (heads + kv_heads + h) * d;
+            if (half) { /* the new key and value, rounded to float16 into their slot */
+#if HR_KV_HALF
+                float *key = queries + group * d;
+                rotate(src + (heads + h) * d, c, s, key, d);
+                floats_to_halves(key, (uint16_t *)keys + (slot - shared) * d, d);
+                floats_to_halves(value, (uint16_t *)values + (slot - shared) * d, d);
+#endif
+            } else {
+                rotate(src + (heads + h) * d, c, s, (float *)keys + (slot - shared) * d, d);
+                memcpy((float *)values + (slot - shared) * d, value, sizeof(float) * (size_t)d);
+            }
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
             /* where the next task starts reading (a prefetch never faults: past the last task it
              * reads ahead harmlessly) */
@@ -340,40 +384,11 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
             if (shared && r + 1 < rows)
                 next_keys = h + 1 < kv_heads ? pkeys + phead_stride * size
                                              : (const char *)pkcache + source[r + 1] * prow_stride * size;
-            if (!half) {
-                rotate(src + (heads + h) * d, c, s, (float *)keys + (slot - shared) * d, d);
-                memcpy((float *)values + (slot - shared) * d, src + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
-                attend(queries, (const float *)pkeys, (const float *)pvalues, (const float *)keys, (const float *)values,
-                       shared, ok, length, scale, weights, o, group, d, (const float *)next_keys);
-                continue;
-            }
-#if HR_KV_HALF
-            uint16_t *k16 = (uint16_t *)keys, *v16 = (uint16_t *)values;
-            rotate(src + (heads + h) * d, c, s, kbuf + length * d, d);
-            floats_to_halves(kbuf + length * d, k16 + (slot - shared) * d, d);
-            floats_to_halves(src + (heads + kv_heads + h) * d, v16 + (slot - shared) * d, d);
-#if HR_SIMD == 512
-            if (d == 64 && group <= 8) { /* read in place, converted in registers */
-                switch (group) {
-#define HR_HALF64(G) case G: attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, 1); break;
-                    HR_HALF64(1) HR_HALF64(2) HR_HALF64(3) HR_HALF64(4) HR_HALF64(5) HR_HALF64(6) HR_HALF64(7) HR_HALF64(8)
-#undef HR_HALF64
-                }
-                continue;
-            }
-#endif
-            /* other shapes: the slots widened into a float scratch, then the float32 attention */
-            halves_to_floats((const uint16_t *)pkeys, kbuf, shared * d);
-            halves_to_floats((const uint16_t *)pvalues, vbuf, shared * d);
-            halves_to_floats(k16, kbuf + shared * d, (length - shared) * d);
-            halves_to_floats(v16, vbuf + shared * d, (length - shared) * d);
-            attend(queries, kbuf, vbuf, kbuf, vbuf, 0, ok, length, scale, weights, o, group, d, kbuf);
-#endif
+            attend(queries, pkeys, pvalues, keys, values, shared, valid + r * valid_stride, length, scale, weights,
+                   out + r * heads * d + h * group * d, group, d, next_keys, half);
         }
         free(weights);
         free(queries);
-        free(kbuf);
-        free(vbuf);
     }
 }
 

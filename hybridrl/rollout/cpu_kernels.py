@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+HALF_ROW = 512  # largest head size a float16 cache takes (HR_HALF_ROW in cpu_kernels.c)
 _SIGNATURES = {
     "hr_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
@@ -153,6 +154,8 @@ class CpuKernels:
             raise ValueError(f"KV cache tensors must all be float32 or all float16, got {sorted(map(str, dtypes))}")
         if not self.kv_half_supported:
             raise ValueError("a float16 KV cache needs F16C conversions, which this build of the CPU kernels lacks")
+        if caches[0].shape[-1] > HALF_ROW:
+            raise ValueError(f"a float16 KV cache takes head sizes up to {HALF_ROW}, got {caches[0].shape[-1]}")
         return 1
 
     def pack_weight(self, *weights: torch.Tensor) -> torch.Tensor:

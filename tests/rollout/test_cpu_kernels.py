@@ -155,9 +155,9 @@ def half_kernels(kernels):
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 16), (4, 2, 32)])
 def test_a_float16_cache_is_the_float32_kernel_on_its_rounded_values(half_kernels, heads, kv_heads, d, plen):
     # keys, values and the new token's that float16 holds exactly, rotary cos 1 and sin 0 (the new key
-    # is then its own input): the float16 cache's attention is the float32 kernel's on the same values
-    # (head size 64 reads the float16 slots in place, an instance of its own that -ffast-math may sum
-    # in another order: to float rounding; the others widen them into a scratch for the same code)
+    # is then its own input): the float16 cache's attention is the float32 kernel's on the same values,
+    # to float rounding (each dtype reads its cache through an instance of its own, which -ffast-math
+    # may sum in another order)
     gen = torch.Generator().manual_seed(5)
     rows, slots, slot = 4, 12, 9
     cache = torch.randn(2, rows, kv_heads, slots - plen, d, generator=gen).half()
