@@ -266,6 +266,9 @@ class CompactDecoder:
             why = ("this build has no F16C conversions" if self.kernels is not None
                    else kernels_unsupported(self.model) or "the CPU kernels are off or could not be built")
             raise ValueError(f"kv_cache_dtype=float16 needs the native engine's fused CPU kernels: {why}")
+        if self.head_dim > cpu_kernels.HALF_ROW:
+            raise ValueError(f"kv_cache_dtype=float16 takes head sizes up to {cpu_kernels.HALF_ROW}; this model's is "
+                             f"{self.head_dim}")
         return torch.float16
 
     def _load_kernels(self, wanted: bool | None) -> cpu_kernels.CpuKernels | None:

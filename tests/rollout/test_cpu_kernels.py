@@ -211,13 +211,17 @@ def test_a_float16_kv_cache_rounds_only_the_cache(tiny_model, half_kernels, pack
     assert 0 < diff < 1e-2  # 4e-3 (qwen2) here, against log-probs of order 1
 
 
-def test_a_float16_kv_cache_needs_the_fused_kernels(tiny_model):
+def test_a_float16_kv_cache_needs_the_fused_kernels(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype=float16 needs the native engine's fused CPU kernels"):
         NativeRolloutEngine(tiny_model, fused_kernels=False, kv_cache_dtype=torch.float16)
     with pytest.raises(ValueError, match="kv_cache_dtype=torch.float16 needs the compact decoder"):
         NativeRolloutEngine(tiny_model, compact=False, kv_cache_dtype=torch.float16)
     with pytest.raises(ValueError, match="or float16 for float32 weights"):
         NativeRolloutEngine(tiny_model, kv_cache_dtype=torch.bfloat16)
+    if cpu_kernels.load() is not None and cpu_kernels.load().kv_half_supported:
+        monkeypatch.setattr(cpu_kernels, "HALF_ROW", 8)  # the C side's row bound, here below the model's head size
+        with pytest.raises(ValueError, match="takes head sizes up to 8"):
+            NativeRolloutEngine(tiny_model, kv_cache_dtype=torch.float16)
 
 
 @pytest.fixture(scope="module")
