@@ -24,7 +24,7 @@ from hybridrl.rollout import NativeRolloutEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import cpu_description, provenance, results_dir  # noqa: E402
-from rollout_bench import load_models, rollout_parser  # noqa: E402
+from rollout_bench import bench_prompts, load_models, rollout_parser  # noqa: E402
 
 CACHES = {"float32": None, "float16": torch.float16}
 
@@ -35,10 +35,7 @@ def agreeing_prefix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def bench_model(name: str, model, args) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=gen)
-    mask = torch.ones_like(ids)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = bench_prompts(model, args)
     params = SamplingParams(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None, logprobs=True)
     engines = {key: NativeRolloutEngine(model, kv_cache_dtype=dtype) for key, dtype in CACHES.items()}
     for engine in engines.values():  # warm up

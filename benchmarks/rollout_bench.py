@@ -80,12 +80,18 @@ def hf_generate(model, input_ids, attention_mask, new_tokens: int) -> torch.Tens
     return out[:, input_ids.shape[1] :]
 
 
-def bench_model(name, model, args, peak, bandwidth) -> dict:
-    """Alternate engine / HF runs; medians, speedup, FLOP/s and roofline fraction for one model."""
+def bench_prompts(model, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids) of ``args.batch`` random prompts of ``args.prompt_len``
+    tokens, the same in every rollout benchmark (seed 0, no padding)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=gen)
     mask = torch.ones_like(ids)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def bench_model(name, model, args, peak, bandwidth) -> dict:
+    """Alternate engine / HF runs; medians, speedup, FLOP/s and roofline fraction for one model."""
+    ids, mask, pos = bench_prompts(model, args)
     engine = NativeRolloutEngine(model)
     params = SamplingParams(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None)
     engine.generate_tensors(ids[:2], mask[:2], pos[:2], params.with_updates(max_new_tokens=4))  # warm up

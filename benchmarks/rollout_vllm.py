@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from rollout_bench import (
+    bench_prompts,
     cpu_description,
     measure_bandwidth,
     measure_peak_flops,
@@ -65,9 +66,7 @@ def bench_model(name: str, folder: Path, args, peak: float, bandwidth: float) ->
                              max_num_seqs=args.batch, seed=0,
                              kv_cache_memory_bytes=kv_cache_bytes(model.config, args.batch, total_len, torch.float32))
     native = NativeRolloutEngine(model)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = bench_prompts(model, args)
     params = SamplingParams(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None)
     for engine in (native, vllm):  # warm up
         engine.generate_tensors(ids[:2], mask[:2], pos[:2], params.with_updates(max_new_tokens=4))

@@ -89,8 +89,8 @@ static int64_t padded(int64_t S) { return round_up(S, 32) + 16; }
  * blocks through registers (element by element, the strided stores took a sixth of the forward).
  * Rows [0, P) may come from elsewhere: row j < P is x0 + j * xs0 (a row's shared prompt keys, read
  * in place; P = 0: none). */
-static void transpose_keys2(const float *x0, int64_t xs0, int64_t P, const float *x, int64_t xs, int64_t S,
-                            int64_t Sp, int64_t D, float *kt) {
+static void transpose_keys(const float *x0, int64_t xs0, int64_t P, const float *x, int64_t xs, int64_t S,
+                           int64_t Sp, int64_t D, float *kt) {
     int64_t S16 = round_up(S, 16);
     for (int64_t j0 = 0; j0 < S16; j0 += 16)
         for (int64_t c0 = 0; c0 < D; c0 += 16) {
@@ -101,10 +101,6 @@ static void transpose_keys2(const float *x0, int64_t xs0, int64_t P, const float
             for (int64_t i = 0; i < 16; i++) hv_storeu(kt + (c0 + i) * Sp + j0, r[i]);
         }
     for (int64_t c = 0; c < D; c++) memset(kt + c * Sp + S16, 0, (Sp - S16) * sizeof(float));
-}
-
-static void transpose_keys(const float *x, int64_t xs, int64_t S, int64_t Sp, int64_t D, float *kt) {
-    transpose_keys2(NULL, 0, 0, x, xs, S, Sp, D, kt);
 }
 
 /* s[r][j] = rows[r] . kt[:, j] for j in [j0, j1) (j0, j1 multiples of 16, j1 <= Sp); s rows Sp apart */
@@ -404,7 +400,7 @@ static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh)
     int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S, P = a->P;
     const float *kp = P ? a->kp + a->pidx[b] * a->kpsb + kh * a->kpsh : NULL;
     gather_values(a, b, kh, sc->vc);
-    transpose_keys2(kp, a->kpst, P, a->k + b * a->ksb + kh * a->ksh, a->kst, S, Sp, D, sc->kt);
+    transpose_keys(kp, a->kpst, P, a->k + b * a->ksb + kh * a->ksh, a->kst, S, Sp, D, sc->kt);
     for (int64_t g = 0; g < G; g++) {
         int64_t h = kh * G + g;
         for (int64_t t0 = 0; t0 < T; t0 += RB) {
@@ -433,8 +429,8 @@ static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh)
 static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
     int64_t G = a->H / a->KVH, Sp = padded(a->S), T = a->T, H = a->H, D = a->D, S = a->S, P = a->P;
     gather_kv(a, b, kh, sc->kc, sc->vc);
-    transpose_keys(sc->kc, D, S, Sp, D, sc->kt);
-    transpose_keys(sc->vc, D, S, Sp, D, sc->vt);
+    transpose_keys(NULL, 0, 0, sc->kc, D, S, Sp, D, sc->kt);
+    transpose_keys(NULL, 0, 0, sc->vc, D, S, Sp, D, sc->vt);
     memset(sc->dk, 0, S * D * sizeof(float));
     memset(sc->dv, 0, S * D * sizeof(float));
     for (int64_t g = 0; g < G; g++) {

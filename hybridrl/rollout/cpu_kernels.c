@@ -37,6 +37,7 @@
 #else
 #define HR_KV_HALF 0
 #endif
+#define HR_KV_BYTES(half) ((half) ? 2 : 4) /* bytes of one cache element; strides count elements */
 
 /* A float16 cache row read by the generic attention: widened into a buffer on the stack (in L1) with
  * vector conversions before the float32 loops read it. The compiler does not vectorise a load of
@@ -69,7 +70,7 @@ static inline __attribute__((always_inline)) const float *kv_row(const char *p, 
 
 /* Slot t's row of d elements: from the shared base below `shared`, else the row's own. */
 #define HR_SLOT_AT(shared_base, own_base, t, half)                                                         \
-    ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * ((half) ? 2 : 4))
+    ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * HR_KV_BYTES(half))
 
 /* The norm and the activation split their rows over the threads from this many values on (32 SmolLM2
  * rows are 18432 and 49152). With the earlier threshold of 65536, a 32-row decode step ran both on
@@ -165,7 +166,7 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
         const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *acc, float *o, const int64_t group, const int64_t d,
         const void *next_keys, const int half) {
-    const int64_t size = half ? 2 : 4;
+    const int64_t size = HR_KV_BYTES(half);
     float top[MAX_GROUP], total[MAX_GROUP], widened[HR_HALF_ROW];
     for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
     for (int64_t t = 0; t < length; t++) {
@@ -235,10 +236,10 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
     for (int64_t t = 0; t < length; t++) {
         const char *k = HR_SLOT_AT(pkeys, keys, t, half), *v = HR_SLOT_AT(pvalues, values, t, half);
         const char *ahead = t + KV_AHEAD < length ? HR_SLOT_AT(pkeys, keys, t + KV_AHEAD, half)
-                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * (half ? 2 : 4);
+                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * HR_KV_BYTES(half);
         for (int j = 0; j < 4; j++) {
-            _mm_prefetch(ahead + 16 * j * (half ? 2 : 4), _MM_HINT_T0);
-            _mm_prefetch(v + 16 * j * (half ? 2 : 4), _MM_HINT_T1);
+            _mm_prefetch(ahead + 16 * j * HR_KV_BYTES(half), _MM_HINT_T0);
+            _mm_prefetch(v + 16 * j * HR_KV_BYTES(half), _MM_HINT_T1);
         }
         __m512 k0 = load_kv16(k, 0, half), k1 = load_kv16(k, 16, half), k2 = load_kv16(k, 32, half),
                k3 = load_kv16(k, 48, half);
@@ -311,8 +312,8 @@ static void attend(const float *queries, const void *pkeys, const void *pvalues,
  * as torch's conversion rounds the prefill's) when written, and the attention above reads them in
  * place, widening them as it loads them (attend64's vector loads; elsewhere each slot's row into an
  * L1 buffer, kv_row): the result is the fp32 kernel's on a cache holding the rounded values, to
- * float rounding. Widening every (row,
- * head)'s slots into a float scratch first made SmolLM2 at 512 tokens 8% slower than the fp32 cache.
+ * float rounding. Widening every (row, head)'s slots into a float scratch first made SmolLM2 at 512
+ * tokens 8% slower than the fp32 cache.
  * ------------------------------------------------------------------------------------------- */
 int hr_kv_half_supported(void) { return HR_KV_HALF; }
 
@@ -347,7 +348,7 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
     half = 0;
 #endif
     if (half && d > HR_HALF_ROW) return; /* refused before the call (CpuKernels._half) */
-    int64_t group = heads / kv_heads, size = half ? 2 : 4;
+    int64_t group = heads / kv_heads, size = HR_KV_BYTES(half);
     if (source == NULL) shared = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -702,7 +703,7 @@ void hr_decode_layers(float *hidden, float *normed, float *qkv, float *attn, flo
                       const int64_t *source, int64_t shared, const float *cos, const float *ssin,
                       const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t heads, int64_t kv_heads,
                       int64_t d, float scale, int half, int nthreads) {
-    int64_t size = half ? 2 : 4; /* bytes per cache element; the strides count elements */
+    int64_t size = HR_KV_BYTES(half);
     for (int64_t l = 0; l < layers; l++) {
         const float *const *w = weights + 8 * l;
         char *keys = (char *)cache + l * layer_stride * size;
