@@ -235,9 +235,10 @@ def dense_kernels(kernels):
 @pytest.mark.parametrize(("n", "k"), [(5, 7), (16, 64), (24, 7), (48, 64), (88, 37), (100, 130), (128, 130), (960, 576),
                                     (577, 1536)])
 def test_dense_matches_a_float64_matmul(dense_kernels, n, k, threads):
-    # rows: one, a partial register tile, a full one, several, and past one 64-row block; columns: a
-    # partial panel, exact panels, and last panels of 1-5 of their six 8-column vectors (5, 16, 24, 32,
-    # 40, 4 and 1 columns); k: under, at and over one 64-step chunk
+    # rows: one, a partial register tile, a full one, several (13: chunks of 64 k-steps; 29: of 128),
+    # and past one 64-row block; columns: a partial panel, exact panels, and last panels of 1-5 of
+    # their six 8-column vectors (5, 16, 24, 32, 40, 4 and 1 columns); k: under, at and over one
+    # 64-step chunk
     gen = torch.Generator().manual_seed(n * k)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     previous = torch.get_num_threads()
@@ -245,7 +246,7 @@ def test_dense_matches_a_float64_matmul(dense_kernels, n, k, threads):
     try:
         packed = dense_kernels.pack_weight(weight)
         assert packed.numel() == -(-n // 48) * 48 * k
-        for m in (1, 3, 8, 13, 64, 70):
+        for m in (1, 3, 8, 13, 29, 64, 70):
             x = torch.randn(m, k, generator=gen)
             exact = x.double() @ weight.double().T + bias.double()
             for b in (bias, None):
