@@ -330,7 +330,9 @@ class CompactDecoder:
             if self.packing != "dense":
                 self._repack("dense", limit)
             products = tokens
-        hidden = self._forward(input_ids, position_ids, mask[:, None], start=0, rows=products)
+        fused = self._prefill_fused(input_ids, position_ids, mask[:, None], products)
+        hidden = fused if fused is not None else self._forward(input_ids, position_ids, mask[:, None], start=0,
+                                                                 rows=products)
         self.cache.length = plen
         self.rope_table = None
         if self.kernels is not None and self.rope_tabulated:
@@ -339,7 +341,62 @@ class CompactDecoder:
             self.cache.share_prompts(repeats)
         else:
             self.cache.repeat_rows(repeats)
+        if fused is not None:  # already through the final norm
+            return self._head(hidden[:, -1].contiguous())
         return self._logits(hidden[:, -1])
+
+    def _prefill_fused(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                       rows: int) -> torch.Tensor | None:
+        """The prefill's forward with its non-matmul work in hybridrl's kernels, as the decode step
+        runs it: residual add and RMSNorm in one pass (`CpuKernels.add_rms_norm`), SiLU-and-multiply
+        from the joined gate/up product (`CpuKernels.silu_mul`), the rotary embedding and the
+        attention through the training kernels (`hybridrl.engine.cpu_attention`; the attention reads
+        the keys in place and writes (b, t, heads, D), the o product's input, with no transpose).
+        Returns the final-normed hidden states (b, t, E), or None where the kernels do not take the
+        model's shapes (the torch ops of `_forward` then). Keys and values go to the cache at slot 0.
+
+        SmolLM2, 32 prompts x 64 tokens, two threads (Zen 4): the torch ops around the products took
+        about 0.33 of the prefill's 2.6 s (the attention 0.13, SiLU 0.06, norms and adds 0.07,
+        the rotary embedding 0.07). The rotary embedding of head sizes that are not a multiple of 32
+        runs as in `_forward`."""
+        from hybridrl.engine import cpu_attention
+
+        kernels, model = self.kernels, self.model.model
+        if kernels is None or not cpu_attention.available():
+            return None
+        b, t = ids.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        probe = torch.empty(d).as_strided((b, hq + hkv, t, d), (0, 0, 0, 1))  # the operands' shape, no memory
+        if not cpu_attention.usable(probe[:, :hq], probe[:, hq:], probe[:, hq:], mask):
+            return None
+        hidden = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(hidden, pos)
+        if not cpu_attention.rope_usable(probe, cos, sin):  # (head sizes not a multiple of 32): torch's ops
+            cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]
+        n, flat = b * t, hidden.view(b * t, -1)
+        normed = torch.empty_like(flat)
+        first = model.layers[0].input_layernorm
+        kernels.add_rms_norm(flat, None, first.weight, first.variance_epsilon, normed, n)
+        norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]  # each layer's next norm
+        for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
+            qk, v = fused.dense("qkv", normed, rows).view(b, t, -1).split([(hq + hkv) * d, hkv * d], dim=-1)
+            qk = qk.view(b, t, hq + hkv, d)
+            if cos.dim() == 3:
+                qk = cpu_attention.rope(qk.transpose(1, 2), cos, sin)
+            else:
+                qk = _rotate(qk, cos, sin).transpose(1, 2)
+            q, k = qk.split([hq, hkv], dim=1)
+            v = v.view(b, t, hkv, d).transpose(1, 2)
+            self.cache.write(index, 0, k, v)
+            attn = cpu_attention.attention(q, k, v, mask, self.scaling).view(n, hq * d)
+            norm = layer.post_attention_layernorm
+            kernels.add_rms_norm(flat, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
+            gate_up = fused.dense("gate_up", normed, rows)
+            act = gate_up.new_empty(n, gate_up.shape[-1] // 2)
+            kernels.silu_mul(gate_up, act, n)
+            norm = norms[index]
+            kernels.add_rms_norm(flat, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
+        return normed.view(b, t, -1)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per active row at the next slot; tokens/positions (b,); logits (b,V)."""

@@ -345,6 +345,44 @@ def test_a_small_prefill_runs_on_the_packed_weights(dense_kernels, tiny_model, m
     torch.testing.assert_close(small["rollout_log_probs"], large["rollout_log_probs"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 32])  # 16: the rotary embedding by torch's ops; 32: by the kernel
+def test_the_prefill_on_the_kernels_matches_the_torch_ops(kernels, monkeypatch, head_dim):
+    # the prefill's norms, activation, rotary embedding and attention through hybridrl's kernels give
+    # the torch ops' logits and KV cache to float rounding, with left-padded prompts (pad queries,
+    # masked keys), and the same greedy tokens
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hybridrl.engine import cpu_attention
+    from hybridrl.rollout import decoder as decoder_module
+
+    if not cpu_attention.available():
+        pytest.skip("the training attention kernels are not built on this machine")
+    config = Qwen2Config(vocab_size=128, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=256)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompts = make_prompts(num=5, length=11, seed=2)
+    outputs, caches, calls = {}, {}, []
+    attention = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a[0].shape) or attention(*a))
+    monkeypatch.setattr(decoder_module, "PREFILL_DENSE_MAX_TOKENS", 0)  # the products as for a long prefill
+    for path in ("kernels", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(CompactDecoder, "_prefill_fused", lambda *a: None)
+        decoder = CompactDecoder(model, fused_kernels=True)
+        with torch.no_grad():
+            logits = decoder.prefill(*prompts.values(), 1, 4)
+        outputs[path], caches[path] = logits, decoder.cache.buffer[:, :, :5, :, :11].clone()
+        engine = NativeRolloutEngine(model, fused_kernels=True)
+        outputs[path + " tokens"] = run(engine, greedy(), prompts)["responses"]
+    assert len(calls) == 2 * 2  # kernels: one attention call per layer (the prefill, then the engine's)
+    torch.testing.assert_close(outputs["kernels"], outputs["torch"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches["kernels"], caches["torch"], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outputs["kernels"], outputs["torch"])  # two paths, not one
+    assert torch.equal(outputs["kernels tokens"], outputs["torch tokens"])
+
+
 def test_decode_tables_refuse_layers_of_different_shapes():
     layer = {"qkv": torch.zeros(4), "o": torch.zeros(4), "gate_up": torch.zeros(4), "down": torch.zeros(4),
              "qkv_b": None, "o_b": None, "gate_up_b": None, "down_b": None, "qkv_width": 8, "inter": 4}
