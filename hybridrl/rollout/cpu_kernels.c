@@ -72,6 +72,17 @@ static inline __attribute__((always_inline)) const float *kv_row(const char *p, 
 #define HR_SLOT_AT(shared_base, own_base, t, half)                                                         \
     ((const char *)((t) < shared ? (shared_base) : (own_base)) + ((t) < shared ? (t) : (t) - shared) * d * HR_KV_BYTES(half))
 
+/* The value pass requests the next (row, head)'s slot t (the key pass's tail has its first KV_AHEAD):
+ * the key pass asks for a slot's keys and values, the value pass read nothing from memory, and the
+ * stream paused there on every (row, head) (SmolLM2, 32 rows, 30 layers' caches cycled, two threads,
+ * a Zen 4: 128 positions 0.37 -> 0.33 ms a layer, 448 positions 0.91 -> 0.64). Into L2: the key pass
+ * moves them on to L1 as it reads ahead. */
+#define HR_PREFETCH_NEXT(t)                                                                               \
+    do {                                                                                                   \
+        const char *next_ = HR_SLOT_AT(next_pkeys, next_keys, (t), half);                                  \
+        for (int64_t i_ = 0; i_ < d * HR_KV_BYTES(half); i_ += 64) __builtin_prefetch(next_ + i_, 0, 2);    \
+    } while (0)
+
 /* The norm and the activation split their rows over the threads from this many values on (32 SmolLM2
  * rows are 18432 and 49152). With the earlier threshold of 65536, a 32-row decode step ran both on
  * one thread while the other waited; two threads on a Zen 4, per call: silu 21.9 -> 15.4 us and norm
@@ -165,14 +176,14 @@ static inline __attribute__((always_inline)) void exp_scores(float *weights, int
 static inline __attribute__((always_inline)) void attend_into(const float *queries, const void *pkeys,
         const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *acc, float *o, const int64_t group, const int64_t d,
-        const void *next_keys, const int half) {
+        const void *next_pkeys, const void *next_keys, const int half) {
     const int64_t size = HR_KV_BYTES(half);
     float top[MAX_GROUP], total[MAX_GROUP], widened[HR_HALF_ROW];
     for (int64_t g = 0; g < group; g++) top[g] = -1e30f;
     for (int64_t t = 0; t < length; t++) {
         const char *k = HR_SLOT_AT(pkeys, keys, t, half), *v = HR_SLOT_AT(pvalues, values, t, half);
         const char *ahead = t + KV_AHEAD < length ? HR_SLOT_AT(pkeys, keys, t + KV_AHEAD, half)
-                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * size;
+                                                  : HR_SLOT_AT(next_pkeys, next_keys, t + KV_AHEAD - length, half);
         for (int64_t i = 0; i < d * size; i += 64) {
             __builtin_prefetch(ahead + i, 0, 3);
             __builtin_prefetch(v + i, 0, 2);
@@ -190,6 +201,7 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
     exp_scores(weights, length, group, top, total);
     for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;
     for (int64_t t = 0; t < length; t++) {
+        if (t >= KV_AHEAD) HR_PREFETCH_NEXT(t);
         const float *vf = kv_row(HR_SLOT_AT(pvalues, values, t, half), widened, d, half);
         for (int64_t g = 0; g < group; g++) {
             float w = weights[g * length + t];
@@ -206,10 +218,10 @@ static inline __attribute__((always_inline)) void attend_into(const float *queri
 static inline __attribute__((always_inline)) void attend_fixed(const float *queries, const void *pkeys,
         const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
         int64_t length, float scale, float *weights, float *o, const int64_t group, const int64_t d,
-        const void *next_keys, const int half) {
+        const void *next_pkeys, const void *next_keys, const int half) {
     float acc[MAX_FIXED];
     attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, acc, o, group, d,
-                next_keys, half);
+                next_pkeys, next_keys, half);
 }
 
 #if HR_SIMD == 512
@@ -224,8 +236,8 @@ static inline __attribute__((always_inline)) __m512 load_kv16(const void *p, int
  * float32 or float16 (`half`: converted in registers as it is read, no copy). */
 static inline __attribute__((always_inline)) void attend64(const float *queries, const void *pkeys,
         const void *pvalues, const void *keys, const void *values, int64_t shared, const uint8_t *ok,
-        int64_t length, float scale, float *weights, float *o, const int64_t group, const void *next_keys,
-        const int half) {
+        int64_t length, float scale, float *weights, float *o, const int64_t group, const void *next_pkeys,
+        const void *next_keys, const int half) {
     const int64_t d = 64;
     __m512 q[8][4], a[8][4];
     float top[8], total[8];
@@ -236,7 +248,7 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
     for (int64_t t = 0; t < length; t++) {
         const char *k = HR_SLOT_AT(pkeys, keys, t, half), *v = HR_SLOT_AT(pvalues, values, t, half);
         const char *ahead = t + KV_AHEAD < length ? HR_SLOT_AT(pkeys, keys, t + KV_AHEAD, half)
-                                                  : (const char *)next_keys + (t + KV_AHEAD - length) * d * HR_KV_BYTES(half);
+                                                  : HR_SLOT_AT(next_pkeys, next_keys, t + KV_AHEAD - length, half);
         for (int j = 0; j < 4; j++) {
             _mm_prefetch(ahead + 16 * j * HR_KV_BYTES(half), _MM_HINT_T0);
             _mm_prefetch(v + 16 * j * HR_KV_BYTES(half), _MM_HINT_T1);
@@ -256,6 +268,7 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t++) {
         const char *v = HR_SLOT_AT(pvalues, values, t, half);
+        if (t >= KV_AHEAD) HR_PREFETCH_NEXT(t);
         __m512 v0 = load_kv16(v, 0, half), v1 = load_kv16(v, 16, half), v2 = load_kv16(v, 32, half),
                v3 = load_kv16(v, 48, half);
         for (int64_t g = 0; g < group; g++) {
@@ -271,16 +284,17 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + g * 64 + 16 * j, _mm512_mul_ps(a[g][j], inv));
     }
 }
-#define HR_ATTEND64(G, HALF) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_keys, HALF); return; }
+#define HR_ATTEND64(G, HALF) if (group == G && d == 64) { attend64(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, next_pkeys, next_keys, HALF); return; }
 #else
 #define HR_ATTEND64(G, HALF)
 #endif
+#undef HR_PREFETCH_NEXT
 #undef HR_SLOT_AT
 
 /* the common (group, head_dim) pairs specialised (1.3x on this file's attention alone), any other
  * shape through the same code with its sizes at run time; each for a float32 cache and, where
  * F16C is built in, a float16 one read in place */
-#define HR_FIXED(G, D, HALF) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_keys, HALF); return; }
+#define HR_FIXED(G, D, HALF) if (group == G && d == D) { attend_fixed(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, G, D, next_pkeys, next_keys, HALF); return; }
 #define HR_DISPATCH(HALF)                                                                                      \
     HR_ATTEND64(1, HALF) HR_ATTEND64(2, HALF) HR_ATTEND64(3, HALF) HR_ATTEND64(4, HALF) HR_ATTEND64(5, HALF)    \
     HR_ATTEND64(6, HALF) HR_ATTEND64(7, HALF) HR_ATTEND64(8, HALF)                                              \
@@ -288,10 +302,11 @@ static inline __attribute__((always_inline)) void attend64(const float *queries,
     HR_FIXED(5, 64, HALF) HR_FIXED(6, 64, HALF) HR_FIXED(7, 64, HALF) HR_FIXED(8, 64, HALF)                    \
     HR_FIXED(1, 128, HALF) HR_FIXED(2, 128, HALF) HR_FIXED(3, 128, HALF) HR_FIXED(4, 128, HALF)                \
     HR_FIXED(1, 32, HALF) HR_FIXED(2, 32, HALF) HR_FIXED(4, 32, HALF)                                           \
-    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_keys, HALF);
+    attend_into(queries, pkeys, pvalues, keys, values, shared, ok, length, scale, weights, o, o, group, d, next_pkeys, next_keys, HALF);
 static void attend(const float *queries, const void *pkeys, const void *pvalues, const void *keys,
                    const void *values, int64_t shared, const uint8_t *ok, int64_t length, float scale,
-                   float *weights, float *o, int64_t group, int64_t d, const void *next_keys, int half) {
+                   float *weights, float *o, int64_t group, int64_t d, const void *next_pkeys, const void *next_keys,
+                   int half) {
 #if HR_KV_HALF
     if (half) {
         HR_DISPATCH(1)
@@ -379,14 +394,16 @@ void hr_decode_attention(const float *qkv, int64_t qkv_stride, const float *cos,
                 memcpy((float *)values + (slot - shared) * d, value, sizeof(float) * (size_t)d);
             }
             for (int64_t g = 0; g < group; g++) rotate(src + (h * group + g) * d, c, s, queries + g * d, d);
-            /* where the next task starts reading (a prefetch never faults: past the last task it
-             * reads ahead harmlessly) */
-            const char *next_keys = h + 1 < kv_heads ? keys + head_stride * size : (char *)kcache + (r + 1) * row_stride * size;
-            if (shared && r + 1 < rows)
-                next_keys = h + 1 < kv_heads ? pkeys + phead_stride * size
-                                             : (const char *)pkcache + source[r + 1] * prow_stride * size;
+            /* the next task's shared and own slots, which this one reads ahead (the last task: its own) */
+            int64_t nr = h + 1 < kv_heads ? r : r + 1, nh = h + 1 < kv_heads ? h + 1 : 0;
+            const char *next_keys = keys, *next_pkeys = pkeys;
+            if (nr < rows) {
+                next_keys = (const char *)kcache + (nr * row_stride + nh * head_stride) * size;
+                next_pkeys = shared ? (const char *)pkcache + (source[nr] * prow_stride + nh * phead_stride) * size
+                                    : next_keys;
+            }
             attend(queries, pkeys, pvalues, keys, values, shared, valid + r * valid_stride, length, scale, weights,
-                   out + r * heads * d + h * group * d, group, d, next_keys, half);
+                   out + r * heads * d + h * group * d, group, d, next_pkeys, next_keys, half);
         }
         free(weights);
         free(queries);

@@ -25,17 +25,22 @@ def prompts(model_dir, rows: int = 2, width: int = 12) -> DataProto:
 
 
 @pytest.mark.parametrize("free", [True, False])
-def test_native_rollout_frees_its_cache_after_each_generation(model_dir, free):
+def test_native_rollout_frees_its_cache_after_each_generation(model_dir, free, monkeypatch):
     config = load_config([f"actor_rollout_ref.model.path={model_dir}", "data.max_response_length=8",
                           f"actor_rollout_ref.rollout.free_cache_engine={free}"],
                          preset="grpo_quickstart")
     worker = RolloutWorker(config)
     decoder = worker.engine.decoder
+    repacks = []
+    repack = decoder._repack
+    monkeypatch.setattr(decoder, "_repack", lambda *args: repacks.append(args) or repack(*args))
     first = worker.generate_sequences(prompts(model_dir))
     assert first.batch["responses"].shape == (2 * config.actor_rollout_ref.rollout.n, 8)
-    # freed: no KV buffer and no packed weights held through the update; kept otherwise
+    # freed: no KV buffer and no packed weights held through the update; kept otherwise. Whether the
+    # decode steps pack at all depends on the build and the matmul backend (a build without the
+    # matmul kernel, where oneDNN is the backend, runs oneDNN's plain products and packs nothing)
     assert (decoder.cache.buffer is None) == free
-    assert (decoder.packed_rows == 0) == free or not decoder.pack_weights
+    assert decoder.packed_rows == 0 if free else (decoder.packed_rows > 0) == bool(repacks)
     again = worker.generate_sequences(prompts(model_dir))  # reallocates and repacks as needed
     assert torch.equal(again.batch["responses"], first.batch["responses"])  # same seed, same step
 
