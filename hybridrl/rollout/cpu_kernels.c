@@ -535,6 +535,26 @@ void hr_pack_rows(const float *w, int64_t n, int64_t k, float *out, int64_t col0
 #if HR_SIMD
 int hr_dense_supported(void) { return 1; }
 
+/* The next chunk's lines are requested into L1 (`l2` 0) or only into L2 (`l2` 1), the latter up to
+ * HR_L2_TILES 8-row tiles: with few rows the products are few and the kernel waits on the weights,
+ * and L2 requests keep more of them in flight than L1's fill buffers allow. SmolLM2's layer
+ * products, two threads, a Zen 4, GFLOP/s with L1 / L2 requests: 4 rows 37-40 / 57-58, 8 rows 71-73
+ * / 99-110, 12 rows 97 / 108, 16 rows 125-130 / 139-146, 24 rows 150-155 / 148-155, 32 rows 171-175
+ * / 166-171, 64 rows 174-182 / 176-179; the AVX2 build on it: 4 rows 26 / 36, 8 rows 51 / 71, 16
+ * rows 83 / 113, 24 rows 105 / 128, 32 rows 114 / 122, 64 rows 136 / 135. */
+#if HR_SIMD == 512
+#define HR_L2_TILES 2
+#else
+#define HR_L2_TILES 4
+#endif
+#define HR_PREFETCH_CHUNK(p, l2)                          \
+    do {                                                 \
+        if (l2)                                          \
+            _mm_prefetch((p), _MM_HINT_T1);              \
+        else                                             \
+            _mm_prefetch((p), _MM_HINT_T0);              \
+    } while (0)
+
 #if HR_SIMD == 512
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
  * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
@@ -542,7 +562,7 @@ int hr_dense_supported(void) { return 1; }
  * it issues up to `per4` of the `lines` prefetches of the next chunk at `pf` (*done counts those
  * issued so far). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
-                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs) {
+                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
     (void)vecs; /* every vector: the AVX2 tile below skips a last panel's empty ones */
     __m512 a[3 * HR_MR];
     for (int i = 0; i < 3 * HR_MR; i++) a[i] = _mm512_setzero_ps();
@@ -551,7 +571,7 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
     int64_t issued = *done;
     for (int64_t kk = 0; kk < len; kk++) {
         if ((kk & 3) == 0)
-            for (int64_t i = 0; i < per4 && issued < lines; i++, issued++) _mm_prefetch(pf + issued * 64, _MM_HINT_T0);
+            for (int64_t i = 0; i < per4 && issued < lines; i++, issued++) HR_PREFETCH_CHUNK(pf + issued * 64, l2);
         const float *wk = w + kk * HR_NR;
         __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
         __m512 b;
@@ -574,7 +594,7 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
  * output's sum in the AVX-512 tile's order. The compiler unrolls it for each (rows, vecs). */
 static inline __attribute__((always_inline)) void hr_part(const float *const *x, int64_t kc, const int rows,
         const int vecs, const float *w, int64_t len, float *acc, int first, const char *pf, int64_t lines,
-        int64_t per4, int64_t *issued) {
+        int64_t per4, int64_t *issued, int l2) {
     __m256 a[12], wv[3];
     const float *xs[8];
     for (int r = 0; r < rows; r++) xs[r] = x[r] + kc;
@@ -582,7 +602,7 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
     for (int64_t kk = 0; kk < len; kk++) {
         if ((kk & 3) == 0)
             for (int64_t i = 0; i < per4 && *issued < lines; i++, (*issued)++)
-                _mm_prefetch(pf + *issued * 64, _MM_HINT_T0);
+                HR_PREFETCH_CHUNK(pf + *issued * 64, l2);
 #pragma GCC unroll 3
         for (int v = 0; v < vecs; v++) {
             wv[v] = _mm256_loadu_ps(w + kk * HR_NR + 8 * v);
@@ -614,7 +634,7 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
  * its last panel's 48, and multiplying the zeros took a tenth of its time (28 against 36 GFLOP/s for
  * torch's product at 128 rows, one Zen 1 core). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
-                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs) {
+                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
     int64_t issued = *done;
     for (int ch = 0; ch < 2; ch++) {
         int part = vecs - 3 * ch; /* this half's real vectors */
@@ -622,12 +642,12 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         float *ac = acc + 24 * ch;
         if (part >= 3)
             for (int rh = 0; rh < 2; rh++)
-                hr_part(x + 4 * rh, kc, 4, 3, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued);
+                hr_part(x + 4 * rh, kc, 4, 3, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued, l2);
         else if (part == 2)
             for (int rh = 0; rh < 2; rh++)
-                hr_part(x + 4 * rh, kc, 4, 2, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued);
+                hr_part(x + 4 * rh, kc, 4, 2, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued, l2);
         else if (part == 1) /* all 8 rows at once: 8 accumulators */
-            hr_part(x, kc, 8, 1, wc, len, ac, first, pf, lines, per4, &issued);
+            hr_part(x, kc, 8, 1, wc, len, ac, first, pf, lines, per4, &issued, l2);
     }
     *done = issued;
 }
@@ -667,7 +687,7 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
                     int64_t per4 = (4 * lines + len * tiles - 1) / (len * tiles), done = 0;
                     for (int64_t tile = 0; tile < tiles; tile++)
                         hr_tile(xr + tile * HR_MR, kc, panel + kc * HR_NR, len, acc + tile * 3 * HR_MR * 16, kc == 0,
-                                pf, lines, per4, &done, vecs);
+                                pf, lines, per4, &done, vecs, tiles <= HR_L2_TILES);
                 }
                 int64_t cols = n - p * HR_NR;
                 hm mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
