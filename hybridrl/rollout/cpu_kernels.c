@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) const float *kv_row(const char *p, 
 /* The value pass requests the next (row, head)'s slot t (the key pass's tail has its first KV_AHEAD):
  * the key pass asks for a slot's keys and values, the value pass read nothing from memory, and the
  * stream paused there on every (row, head) (SmolLM2, 32 rows, 30 layers' caches cycled, two threads,
- * a Zen 4: 128 positions 0.37 -> 0.33 ms a layer, 448 positions 0.91 -> 0.64). Into L2: the key pass
+ * a Zen 4: 128 positions 0.36 -> 0.28 ms a layer, 448 positions 1.05 -> 0.79). Into L2: the key pass
  * moves them on to L1 as it reads ahead. */
 #define HR_PREFETCH_NEXT(t)                                                                               \
     do {                                                                                                   \

@@ -357,8 +357,9 @@ class CompactDecoder:
 
         SmolLM2, 32 prompts x 64 tokens, two threads (Zen 4): the torch ops around the products took
         about 0.33 of the prefill's 2.6 s (the attention 0.13, SiLU 0.06, norms and adds 0.07,
-        the rotary embedding 0.07). The rotary embedding of head sizes that are not a multiple of 32
-        runs as in `_forward`."""
+        the rotary embedding 0.07); this path took the prefill from 2.92 to 2.58 s (medians of 7,
+        alternating). The rotary embedding of head sizes that are not a multiple of 32 runs as in
+        `_forward`."""
         from hybridrl.engine import cpu_attention
 
         kernels, model = self.kernels, self.model.model
