@@ -378,8 +378,8 @@ class CompactDecoder:
         normed = torch.empty_like(flat)
         first = model.layers[0].input_layernorm
         kernels.add_rms_norm(flat, None, first.weight, first.variance_epsilon, normed, n)
-        norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]  # each layer's next norm
-        for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
+
+        def attention(index: int, fused: _FusedLayer) -> torch.Tensor:
             qk, v = fused.dense("qkv", normed, rows).view(b, t, -1).split([(hq + hkv) * d, hkv * d], dim=-1)
             qk = qk.view(b, t, hq + hkv, d)
             if cos.dim() == 3:
@@ -389,14 +389,9 @@ class CompactDecoder:
             q, k = qk.split([hq, hkv], dim=1)
             v = v.view(b, t, hkv, d).transpose(1, 2)
             self.cache.write(index, 0, k, v)
-            attn = cpu_attention.attention(q, k, v, mask, self.scaling).view(n, hq * d)
-            norm = layer.post_attention_layernorm
-            kernels.add_rms_norm(flat, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
-            gate_up = fused.dense("gate_up", normed, rows)
-            act = gate_up.new_empty(n, gate_up.shape[-1] // 2)
-            kernels.silu_mul(gate_up, act, n)
-            norm = norms[index]
-            kernels.add_rms_norm(flat, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
+            return cpu_attention.attention(q, k, v, mask, self.scaling).view(n, hq * d)
+
+        self._fused_layers(flat, normed, n, rows, attention)
         return normed.view(b, t, -1)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -433,20 +428,34 @@ class CompactDecoder:
                                   cos, sin, cache.valid, start, self.num_heads, self.num_kv_heads, self.scaling)
             return self._head(normed, rows)[:n]
         attn = hidden.new_zeros(width, self.num_heads * self.head_dim)
-        act = hidden.new_zeros(width, model.layers[0].mlp.down_proj.in_features)
+
+        def attention(index: int, fused: _FusedLayer) -> torch.Tensor:
+            keys, values = self.cache.layer(index)
+            kernels.decode_attention(fused.dense("qkv", normed, rows), cos, sin, keys, values, self.cache.valid,
+                                     start, attn, n, self.num_heads, self.num_kv_heads, self.scaling,
+                                     self.cache.prompts(index), self.cache.source, self.cache.shared)
+            return attn
+
+        self._fused_layers(hidden, normed, n, rows, attention)
+        return self._head(normed, rows)[:n]
+
+    def _fused_layers(self, hidden: torch.Tensor, normed: torch.Tensor, n: int, rows: int, attention) -> None:
+        """The layer loop of both fused paths (a decode step on per-layer calls, the prefill): on entry
+        ``normed`` holds layer 0's input norm of ``hidden`` (both (W, E), ``n`` <= W rows live), on
+        return the final norm's; per layer ``attention(index, fused)`` gives the attention's output
+        (W, heads D) from ``normed``, then the o product with the residual add and the next norm, the
+        gate/up product, SiLU-and-multiply and the down product with its residual add and norm run on
+        the kernels. ``rows``: the products' packed row count (0: not packed)."""
+        kernels, model = self.kernels, self.model.model
+        act = hidden.new_zeros(hidden.shape[0], model.layers[0].mlp.down_proj.in_features)
         norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]  # each layer's next norm
         for index, (fused, layer) in enumerate(zip(self.layers, model.layers)):
-            qkv = fused.dense("qkv", normed, rows)
-            keys, values = self.cache.layer(index)
-            kernels.decode_attention(qkv, cos, sin, keys, values, self.cache.valid, start, attn, n,
-                                     self.num_heads, self.num_kv_heads, self.scaling,
-                                     self.cache.prompts(index), self.cache.source, self.cache.shared)
             norm = layer.post_attention_layernorm
-            kernels.add_rms_norm(hidden, fused.dense("o", attn, rows), norm.weight, norm.variance_epsilon, normed, n)
+            kernels.add_rms_norm(hidden, fused.dense("o", attention(index, fused), rows), norm.weight,
+                                 norm.variance_epsilon, normed, n)
             kernels.silu_mul(fused.dense("gate_up", normed, rows), act, n)
             norm = norms[index]
             kernels.add_rms_norm(hidden, fused.dense("down", act, rows), norm.weight, norm.variance_epsilon, normed, n)
-        return self._head(normed, rows)[:n]
 
     @property
     def rope_tabulated(self) -> bool:
