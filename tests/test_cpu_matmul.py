@@ -79,6 +79,27 @@ def test_each_weight_gradient_product_matches_float64(rows, inner, out, plan, bi
         assert grad_b.numel() == 0
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_weight_gradients_take_hybridrls_kernel_where_it_applies(bias, monkeypatch):
+    """On the oneDNN side, the tiny model's shapes go to ``cpu_attention.weight_grad`` (on an AVX-512
+    build) and others to oneDNN's products, the same numbers to float rounding either way."""
+    from hybridrl.engine import cpu_attention
+
+    monkeypatch.setattr(cpu_matmul, "_weight_grad_choice", "onednn")
+    calls = []
+    real = cpu_attention.weight_grad
+    monkeypatch.setattr(cpu_attention, "weight_grad", lambda grad, x: calls.append(grad.shape) or real(grad, x))
+    gen = torch.Generator().manual_seed(1)
+    for rows, inner, out, native in [(1100, 128, 384, True), (1100, 40, 96, False), (300, 512, 512, False)]:
+        x, grad = torch.randn(rows, inner, generator=gen), torch.randn(rows, out, generator=gen)
+        calls.clear()
+        grad_w, grad_b = cpu_matmul._weight_grad_op(grad, x, torch.empty(out, inner), bias)
+        assert bool(calls) == (native and cpu_attention.simd_width() == 512)
+        _close(grad_w, (grad.double().t() @ x.double()).float())
+        if bias:
+            _close(grad_b, grad.double().sum(0).float())
+
+
 def test_weight_gradient_plans_of_the_benchmark_shapes():
     """The shapes the plans were measured on (cpu_matmul's table): SmolLM2's update, the tiny and the 25M model's."""
     def plan(rows, out, inner):  # the shapes with their row counts; the plan depends on out and inner

@@ -28,7 +28,9 @@ chosen:
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward runs
   through the custom op ``hybridrl::linear_v<N>`` and whose input and weight gradients run through
   ``hybridrl::linear_input_grad_v<N>`` and ``hybridrl::linear_weight_grad_v<N>`` (each on the backend
-  chosen above), all opaque to ``torch.compile``; the training engine applies it;
+  chosen above; on the oneDNN side, weight gradients of up to 128 K outputs on an AVX-512 machine
+  run on hybridrl's own kernel, ``cpu_attention.weight_grad``, which needs no transposed copy), all
+  opaque to ``torch.compile``; the training engine applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
 
@@ -243,12 +245,22 @@ def _onednn_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _onednn(transposed(grad), x.t(), None)  # grad^T (out, m) @ x: the inner product reads x^T in place
 
 
+def _native_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad^T x by hybridrl's kernel where it applies (``cpu_attention.weight_grad``: both operands read
+    in place, no transposed copy; the rates in cpu_attention.c), else ``_onednn_weight_grad``."""
+    from hybridrl.engine import cpu_attention
+
+    if cpu_attention.weight_grad_usable(grad, x):
+        return cpu_attention.weight_grad(grad, x)
+    return _onednn_weight_grad(grad, x)
+
+
 def _calibrate_weight_grad(reps: int = 3) -> str:
     """"mkl" if MKL's grad^T x is at least WEIGHT_GRAD_MIN_SPEEDUP faster than oneDNN's at the
     calibration shape, else "onednn" (alternating, best of each, as ``_calibrate``)."""
     rows, k, out = WEIGHT_GRAD_CALIBRATION_SHAPE
     x, grad = _randn((rows, k), (rows, out))
-    return _faster(lambda: torch.mm(grad.t(), x), lambda: _onednn_weight_grad(grad, x), WEIGHT_GRAD_MIN_SPEEDUP, reps)
+    return _faster(lambda: torch.mm(grad.t(), x), lambda: _native_weight_grad(grad, x), WEIGHT_GRAD_MIN_SPEEDUP, reps)
 
 
 def weight_grad_backend() -> str:
@@ -304,7 +316,7 @@ def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         grad_w = torch.mm(x.t(), grad).t().contiguous() if mkl_weight_grad_reads_x(
             grad.shape[1], x.shape[1]) else torch.mm(grad.t(), x)
     else:
-        grad_w = _onednn_weight_grad(grad, x)
+        grad_w = _native_weight_grad(grad, x)
     return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
 
 

@@ -223,6 +223,47 @@ def test_transposed_hands_other_tensors_to_torch():
         assert torch.equal(cpu_attention.transposed(x), x.t().contiguous())
 
 
+def _threads(n, fn):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("rows", "out", "inner"), [
+    (8346, 128, 128), (8346, 64, 128), (8346, 1024, 128), (8346, 128, 384),  # the tiny benchmark model's
+    (300, 13, 48),  # an output tile of 5 rows, a last 16 columns past the 32-wide tiles (AVX-512)
+    (1, 8, 16), (3, 1, 32), (700, 1030, 16),  # single rows and outputs; chunks of 512 rows and a partial
+    (0, 24, 64),  # nothing to sum: zeros
+])
+def test_weight_grad_matches_float64_on_any_number_of_threads(rows, out, inner):
+    gen = torch.Generator().manual_seed(rows + out + inner)
+    # rows further apart than their width, as a linear's input can be (a column slice)
+    grad = torch.randn(rows, out + 5, generator=gen)[:, :out]
+    x = torch.randn(rows, inner + 16, generator=gen)[:, :inner]
+    one = _threads(1, lambda: cpu_attention.weight_grad(grad, x))
+    two = _threads(2, lambda: cpu_attention.weight_grad(grad, x))
+    assert one.shape == (out, inner) and one.is_contiguous()
+    expected = grad.double().t() @ x.double()
+    scale = max(float(expected.abs().max()), 1.0)
+    assert float((one.double() - expected).abs().max()) / scale < 1e-5
+    assert torch.equal(one, two)  # each output one thread's, summed over rows in order
+
+
+def test_weight_grad_usable_takes_the_shapes_it_was_measured_faster_on():
+    grad, x = torch.randn(64, 1024), torch.randn(64, 128)
+    fast = cpu_attention.simd_width() == 512
+    assert cpu_attention.weight_grad_usable(grad, x) == fast  # the tiny model's LM head: 128 K outputs
+    assert not cpu_attention.weight_grad_usable(torch.randn(64, 1025), x)  # more outputs than stay in L2
+    assert not cpu_attention.weight_grad_usable(grad, torch.randn(64, 120))  # inputs not a multiple of 16
+    assert not cpu_attention.weight_grad_usable(grad, torch.randn(63, 128))  # another row count
+    assert cpu_attention.weight_grad_usable(grad, torch.randn(128, 128)[::2]) == fast  # rows apart: read in place
+    assert not cpu_attention.weight_grad_usable(grad.double(), x.double())
+    assert not cpu_attention.weight_grad_usable(grad.t().contiguous().t(), x)  # columns apart
+
+
 def test_turned_off_by_environment():
     code = "from hybridrl.engine import cpu_attention; print(cpu_attention.available())"
     env = {**os.environ, "HYBRIDRL_CPU_ATTENTION": "0"}
