@@ -576,9 +576,9 @@ def weight_grad_usable(grad: torch.Tensor, x: torch.Tensor) -> bool:
     in) with unit last strides, ``in`` a multiple of 16, at most ``WEIGHT_GRAD_MAX_OUTPUTS`` outputs
     (out x in), on an AVX-512 build: where it was measured faster than oneDNN's products with their
     transposed copies. The tiny model's weight gradients took 0.145 -> 0.12-0.13 s of an update (its
-    updates 0.510 -> 0.486 s, steps alternating in one process, a Zen 4). The 25M model's (in 512
-    and 1536), computed in 256 x 256 blocks by a trial version, took 2.18 s of an update against
-    oneDNN's 2.10, and the AVX2 build ran at 70-90
+    updates 0.510 -> 0.486 s, steps alternating in one process, a Zen 4); the 25M model's, of which
+    it takes k and v, 2.142 against 2.146 s. All of the 25M model's, computed in 256 x 256 blocks by
+    a trial version, took 2.18 s against oneDNN's 2.10, and the AVX2 build ran at 70-90
     GFLOP/s on them where oneDNN's AVX-512 products ran at 98-105; no AVX2-only machine has measured
     it against oneDNN's AVX2 products, so those machines keep oneDNN's."""
     return (fp32_cpu(grad, x) and grad.dim() == x.dim() == 2 and grad.shape[0] == x.shape[0]
