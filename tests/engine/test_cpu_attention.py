@@ -235,7 +235,9 @@ def _threads(n, fn):
 @pytest.mark.parametrize(("rows", "out", "inner"), [
     (8346, 128, 128), (8346, 64, 128), (8346, 1024, 128), (8346, 128, 384),  # the tiny benchmark model's
     (300, 13, 48),  # an output tile of 5 rows, a last 16 columns past the 32-wide tiles (AVX-512)
-    (1, 8, 16), (3, 1, 32), (700, 1030, 16),  # single rows and outputs; chunks of 512 rows and a partial
+    (1, 8, 16), (3, 1, 32),  # a single row, a single output
+    (1300, 40, 48),  # chunks of 512 rows (the most), the last one partial
+    (700, 1030, 16), (100, 2048, 16),  # tall outputs: chunks of 62 rows, of 32 (the fewest)
     (0, 24, 64),  # nothing to sum: zeros
 ])
 def test_weight_grad_matches_float64_on_any_number_of_threads(rows, out, inner):
