@@ -202,6 +202,16 @@ def test_usable_and_hf_attention_hand_over_to_sdpa():
     assert float((mine - _reference(q, k, v, None, 0.125)).detach().abs().max()) < 2e-5
 
 
+def _threads(n, fn):
+    """fn() on n torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "cols"), [(1, 1), (1, 37), (37, 1), (16, 16), (33, 50), (656, 192), (100, 130),
                                            (2048, 1030), (2050, 1024)])
@@ -209,27 +219,13 @@ def test_transposed_equals_torchs_transposed_copy(rows, cols, threads):
     # whole 16 x 16 blocks, tails in either dimension, single rows and columns, a row stride past the
     # width; past 2 M floats with whole blocks of rows the streaming stores, and without them
     x = torch.randn(rows, cols + 3, generator=torch.Generator().manual_seed(rows * cols))[:, :cols]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = cpu_attention.transposed(x)
-    finally:
-        torch.set_num_threads(previous)
+    out = _threads(threads, lambda: cpu_attention.transposed(x))
     assert out.shape == (cols, rows) and out.is_contiguous() and torch.equal(out, x.t().contiguous())
 
 
 def test_transposed_hands_other_tensors_to_torch():
     for x in (torch.randn(5, 7).t(), torch.randn(4, 6, dtype=torch.float64), torch.zeros(0, 3)):
         assert torch.equal(cpu_attention.transposed(x), x.t().contiguous())
-
-
-def _threads(n, fn):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize(("rows", "out", "inner"), [
