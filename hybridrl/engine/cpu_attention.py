@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "register", "rms_norm",
            "rms_norm_backward", "rms_norm_usable", "rope", "rope_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
-           "swiglu_backward", "swiglu_usable", "token_logprob", "token_logprob_backward", "token_logprob_entropy",
+           "swiglu_backward", "swiglu_fused", "swiglu_fused_backward", "swiglu_fused_usable",
+           "swiglu_usable", "token_logprob", "token_logprob_backward", "token_logprob_entropy",
            "token_usable",
            "transposed", "usable", "use_for", "weight_grad", "weight_grad_usable"]
 
@@ -82,8 +83,8 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
     lib.hr_weight_grad.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
     lib.hr_weight_grad.restype = _INT
-    lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _PTR, _I64, _INT], None
-    lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
+    lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _INT], None
+    lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
     lib.hr_swiglu_backward.restype = None
     lib.hr_rms_norm.argtypes, lib.hr_rms_norm.restype = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None
     lib.hr_rms_norm_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT]
@@ -507,7 +508,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, contiguous, for operands ``swiglu_usable`` takes."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty(gate.shape)
-    _library().hr_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
+    cols = gate.shape[-1] if gate.dim() else 1
+    _library().hr_swiglu(gate.data_ptr(), up.data_ptr(), cols, 16, out.data_ptr(), gate.numel() // max(cols, 1), cols,
+                         torch.get_num_threads())
     return out
 
 
@@ -515,9 +518,43 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) ->
     """The gradients (gate's, up's) of ``swiglu``'s output for ``grad`` (same shape), in one pass."""
     gate, up, grad = gate.contiguous(), up.contiguous(), grad.contiguous()
     d_gate, d_up = torch.empty(gate.shape), torch.empty(gate.shape)
-    _library().hr_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), d_gate.data_ptr(),
-                                  d_up.data_ptr(), gate.numel(), torch.get_num_threads())
+    cols = gate.shape[-1] if gate.dim() else 1
+    _library().hr_swiglu_backward(gate.data_ptr(), up.data_ptr(), cols, 16, grad.data_ptr(), d_gate.data_ptr(),
+                                  d_up.data_ptr(), gate.numel() // max(cols, 1), cols, torch.get_num_threads())
     return d_gate, d_up
+
+
+SWIGLU_BLOCK = 16  # gate values, then as many up values, in turn along a fused row (``swiglu_fused``)
+
+
+def swiglu_fused_usable(gate_up: torch.Tensor) -> bool:
+    """Whether ``swiglu_fused`` takes ``gate_up``: fp32 CPU, its last dimension a multiple of 2 x
+    ``SWIGLU_BLOCK``."""
+    return (fp32_cpu(gate_up) and gate_up.dim() >= 1 and gate_up.shape[-1] % (2 * SWIGLU_BLOCK) == 0
+            and available())
+
+
+def swiglu_fused(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, contiguous ``(..., C / 2)``, of a fused gate-up product's rows ``(..., C)``,
+    which alternate ``SWIGLU_BLOCK`` gate values and as many up values (the product of weights
+    interleaved so, ``cpu_layers.interleave_rows``): each row is read once, in memory order."""
+    gate_up = gate_up.contiguous()
+    cols = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], cols)
+    _library().hr_swiglu(gate_up.data_ptr(), gate_up.data_ptr() + 4 * SWIGLU_BLOCK, 2 * cols, 2 * SWIGLU_BLOCK,
+                         out.data_ptr(), out.numel() // max(cols, 1), cols, torch.get_num_threads())
+    return out
+
+
+def swiglu_fused_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``swiglu_fused``'s output for ``grad``, laid out as ``gate_up``, in one pass."""
+    gate_up, grad = gate_up.contiguous(), grad.contiguous()
+    cols = gate_up.shape[-1] // 2
+    d = torch.empty(gate_up.shape)
+    _library().hr_swiglu_backward(gate_up.data_ptr(), gate_up.data_ptr() + 4 * SWIGLU_BLOCK, 2 * cols,
+                                  2 * SWIGLU_BLOCK, grad.data_ptr(), d.data_ptr(), d.data_ptr() + 4 * SWIGLU_BLOCK,
+                                  grad.numel() // max(cols, 1), cols, torch.get_num_threads())
+    return d
 
 
 NORM_BLOCK = 64  # rows per partial sum of the RMSNorm weight's gradient (cpu_attention.c)

@@ -386,9 +386,15 @@ class OneDNNLinear(nn.Linear):
     devices and dtypes take ``F.linear``. Made by ``use_onednn_linears`` from existing modules."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fp32_cpu(x, self.weight, self.bias) and not torch.is_autocast_enabled("cpu"):
-            return _linear_op(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` as this class computes it, for any weight (e.g. two modules'
+        weights concatenated into one product)."""
+        if fp32_cpu(x, weight, bias) and not torch.is_autocast_enabled("cpu"):
+            return _linear_op(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 def use_onednn_linears(model: nn.Module, force: bool = False) -> int:

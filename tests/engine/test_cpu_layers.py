@@ -4,11 +4,12 @@ through the CPU kernels against torch's ops, values and gradients, and which mod
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 from transformers.models.qwen2 import modeling_qwen2
 
-from hybridrl.engine import cpu_attention
-from hybridrl.engine.cpu_layers import rms_norm, rope, swiglu, use_cpu_layers
+from hybridrl.engine import cpu_attention, cpu_layers
+from hybridrl.engine.cpu_layers import interleave_rows, rms_norm, rope, swiglu, swiglu_fused, use_cpu_layers
+from hybridrl.utils.cpu_matmul import use_onednn_linears
 from tests.engine.helpers import build_model, tiny_config
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU kernels not built here (AVX-512 or AVX2 + FMA)")
@@ -92,30 +93,128 @@ def test_compiled_function_has_no_graph_break():
     assert sum(counters["graph_break"].values()) == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_fused_models_match_unfused(arch):
-    """Every MLP and norm of a Qwen2 / Llama model takes the ops; logits and parameter gradients equal
-    those of the same model with torch's ops, and the state dict is untouched."""
-    def make():
-        torch.manual_seed(0)
-        if arch == "qwen2":
-            return build_model()
-        config = LlamaConfig(**tiny_config().to_diff_dict() | {"model_type": "llama"})
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+def _arch_model(arch: str, **overrides):
+    """A tiny model of ``arch`` (the test config's sizes), seeded: two calls give the same weights."""
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        return build_model(**overrides)
+    base = {k: v for k, v in (tiny_config().to_diff_dict() | overrides).items()
+            if k not in ("model_type", "architectures", "transformers_version")}
+    config = {"llama": LlamaConfig, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch](**base)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    fused, plain = make(), make()
+
+def _logits_and_grads(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits  # as the engine runs it
+    logits.square().mean().backward()
+    return logits.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("arch", "onednn"), [("qwen2", False), ("qwen2", True), ("llama", False),
+                                              ("qwen3", True), ("mistral", False)])
+def test_fused_models_match_unfused(arch, onednn, monkeypatch):
+    """Every MLP and norm of the model takes the ops, and (inputs narrower than FUSE_MAX_INPUT) its
+    gate and up, and its attention's q, k and v, run as one product each; logits and parameter
+    gradients equal those of the same model with torch's ops, and the state dict is untouched.
+    Qwen2's projections have biases, Qwen3's attention normalises q and k."""
+    fused, plain = _arch_model(arch), _arch_model(arch)
+    if onednn:
+        for model in (fused, plain):
+            use_onednn_linears(model, force=True)
     layers = fused.config.num_hidden_layers
-    assert use_cpu_layers(fused) == {"mlp": layers, "norm": 2 * layers + 1, "rope": layers}
+    norms = 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)
+    assert use_cpu_layers(fused) == {"mlp": layers, "norm": norms, "rope": layers, "qkv": layers}
     assert list(fused.state_dict()) == list(plain.state_dict())
+    widths = []
+    real = cpu_layers._product
+    monkeypatch.setattr(cpu_layers, "_product", lambda kind, x, w, b: widths.append(w.shape[0]) or real(kind, x, w, b))
     ids = torch.randint(1, 90, (3, 11), generator=torch.Generator().manual_seed(3))
-    outs = []
-    for model in (fused, plain):
-        logits = model(input_ids=ids).logits
-        logits.square().mean().backward()
-        outs.append((logits.detach(), [p.grad for p in model.parameters()]))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(outs[0][1], outs[1][1]):
+    ours, theirs = _logits_and_grads(fused, ids), _logits_and_grads(plain, ids)
+    attn, config = fused.model.layers[0].self_attn, fused.config
+    qkv = attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert sorted(widths) == sorted([qkv, 2 * config.intermediate_size] * layers)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours[1], theirs[1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_generation_with_a_cache_takes_transformers_attention(monkeypatch):
+    """The one-product attention runs only without a key-value cache: generate's calls (with one) go
+    to transformers' forward, and the tokens are the unfused model's."""
+    fused, plain = build_model(), build_model()
+    use_cpu_layers(fused)
+    widths = []
+    real = cpu_layers._product
+    monkeypatch.setattr(cpu_layers, "_product", lambda kind, x, w, b: widths.append(w.shape[0]) or real(kind, x, w, b))
+    ids = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(4))
+    outs = [m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+            for m in (fused, plain)]
+    assert torch.equal(outs[0], outs[1])
+    assert widths and set(widths) == {2 * fused.config.intermediate_size}  # the MLPs only
+
+
+def test_wide_or_hooked_projections_stay_separate(monkeypatch):
+    """Inputs wider than FUSE_MAX_INPUT keep one product per projection (their weights' copies cost
+    more than one product saves); so do projections with a hook, which the one product would skip."""
+    widths = []
+    real = cpu_layers._product
+    monkeypatch.setattr(cpu_layers, "_product", lambda kind, x, w, b: widths.append(w.shape[0]) or real(kind, x, w, b))
+    ids = torch.randint(1, 90, (2, 7), generator=torch.Generator().manual_seed(5))
+    wide = build_model(hidden_size=cpu_layers.FUSE_MAX_INPUT + 32, intermediate_size=64)
+    assert use_cpu_layers(wide)["qkv"] == 0
+    wide(input_ids=ids, use_cache=False)
+    assert widths == []
+    model = build_model()
+    layers = model.config.num_hidden_layers
+    assert use_cpu_layers(model)["qkv"] == layers
+    seen = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *a: seen.append("up"))
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: seen.append("k"))
+    model(input_ids=ids, use_cache=False)
+    assert seen == ["k", "up"] and len(widths) == 2 * (layers - 1)  # the other layers' two products
+
+
+def _interleaved_reference(gate_up):
+    """gate and up of a fused product's rows (SWIGLU_BLOCK of each in turn), by torch's ops."""
+    gate, up = gate_up.unflatten(-1, (-1, 2, cpu_attention.SWIGLU_BLOCK)).unbind(-2)
+    return F.silu(gate.flatten(-2)) * up.flatten(-2)
+
+
+def test_interleave_rows_alternates_blocks():
+    a, b = torch.arange(32.0)[:, None], -torch.arange(32.0)[:, None] - 1
+    rows = interleave_rows(a, b).squeeze(1).tolist()
+    assert rows == list(range(16)) + [-x - 1 for x in range(16)] + list(range(16, 32)) + [-x - 1 for x in range(16, 32)]
+    assert torch.equal(interleave_rows(torch.arange(32.0), torch.arange(32.0) + 100)[16:32], torch.arange(16.0) + 100)
+
+
+@pytest.mark.parametrize("shape", [(32,), (3, 5, 64), (1000, 768)])
+def test_fused_swiglu_matches_torch(shape):
+    """Values and the gradient (laid out as the fused rows) against torch's ops on the de-interleaved
+    halves; one and many rows, more than one parallel chunk; two threads give the same floats."""
+    gen = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(shape, generator=gen) * 4
+    grad = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen)
+    assert cpu_attention.swiglu_fused_usable(gate_up)
+
+    def both():
+        results = []
+        for fn in (swiglu_fused, _interleaved_reference):
+            x = gate_up.detach().clone().requires_grad_()
+            out = fn(x)
+            out.backward(grad)
+            results.append((out.detach(), x.grad))
+        return results
+
+    mine, ref = both()
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    _same_on_one_and_two_threads(lambda: both()[0])
+
+
+def test_fused_swiglu_leaves_other_widths_and_dtypes_to_torch():
+    x48, x64 = torch.randn(4, 48), torch.randn(4, 64, dtype=torch.float64)
+    assert not cpu_attention.swiglu_fused_usable(x48) and not cpu_attention.swiglu_fused_usable(x64)
+    torch.testing.assert_close(swiglu_fused(x64), _interleaved_reference(x64))
 
 
 def test_other_activations_are_left_alone(monkeypatch):
@@ -123,11 +222,11 @@ def test_other_activations_are_left_alone(monkeypatch):
     nothing is changed."""
     gelu = build_model(hidden_act="gelu")
     layers = gelu.config.num_hidden_layers
-    assert use_cpu_layers(gelu) == {"mlp": 0, "norm": 2 * layers + 1, "rope": layers}
+    assert use_cpu_layers(gelu) == {"mlp": 0, "norm": 2 * layers + 1, "rope": layers, "qkv": layers}
     assert all("forward" not in vars(m) for m in gelu.modules() if type(m).__name__.endswith("MLP"))
     monkeypatch.setattr(cpu_attention, "_library", lambda: None)
     model = build_model()
-    assert use_cpu_layers(model) == {"mlp": 0, "norm": 0, "rope": 0}
+    assert use_cpu_layers(model) == {"mlp": 0, "norm": 0, "rope": 0, "qkv": 0}
     assert all("forward" not in vars(m) for m in model.modules())
 
 
