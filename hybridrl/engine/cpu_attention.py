@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "register", "rms_norm",
            "rms_norm_backward", "rms_norm_usable", "rope", "rope_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
-           "swiglu_backward", "swiglu_fused", "swiglu_fused_backward", "swiglu_fused_usable",
+           "swiglu_backward", "GATE_UP_BLOCK", "swiglu_fused", "swiglu_fused_backward", "swiglu_fused_usable",
            "swiglu_usable", "token_logprob", "token_logprob_backward", "token_logprob_entropy",
            "token_usable",
            "transposed", "usable", "use_for", "weight_grad", "weight_grad_usable"]
@@ -524,24 +524,24 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) ->
     return d_gate, d_up
 
 
-SWIGLU_BLOCK = 16  # gate values, then as many up values, in turn along a fused row (``swiglu_fused``)
+GATE_UP_BLOCK = 16  # gate values, then as many up values, in turn along a fused row (``swiglu_fused``)
 
 
 def swiglu_fused_usable(gate_up: torch.Tensor) -> bool:
     """Whether ``swiglu_fused`` takes ``gate_up``: fp32 CPU, its last dimension a multiple of 2 x
-    ``SWIGLU_BLOCK``."""
-    return (fp32_cpu(gate_up) and gate_up.dim() >= 1 and gate_up.shape[-1] % (2 * SWIGLU_BLOCK) == 0
+    ``GATE_UP_BLOCK``."""
+    return (fp32_cpu(gate_up) and gate_up.dim() >= 1 and gate_up.shape[-1] % (2 * GATE_UP_BLOCK) == 0
             and available())
 
 
 def swiglu_fused(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, contiguous ``(..., C / 2)``, of a fused gate-up product's rows ``(..., C)``,
-    which alternate ``SWIGLU_BLOCK`` gate values and as many up values (the product of weights
+    which alternate ``GATE_UP_BLOCK`` gate values and as many up values (the product of weights
     interleaved so, ``cpu_layers.interleave_rows``): each row is read once, in memory order."""
     gate_up = gate_up.contiguous()
     cols = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], cols)
-    _library().hr_swiglu(gate_up.data_ptr(), gate_up.data_ptr() + 4 * SWIGLU_BLOCK, 2 * cols, 2 * SWIGLU_BLOCK,
+    _library().hr_swiglu(gate_up.data_ptr(), gate_up.data_ptr() + 4 * GATE_UP_BLOCK, 2 * cols, 2 * GATE_UP_BLOCK,
                          out.data_ptr(), out.numel() // max(cols, 1), cols, torch.get_num_threads())
     return out
 
@@ -551,8 +551,8 @@ def swiglu_fused_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Te
     gate_up, grad = gate_up.contiguous(), grad.contiguous()
     cols = gate_up.shape[-1] // 2
     d = torch.empty(gate_up.shape)
-    _library().hr_swiglu_backward(gate_up.data_ptr(), gate_up.data_ptr() + 4 * SWIGLU_BLOCK, 2 * cols,
-                                  2 * SWIGLU_BLOCK, grad.data_ptr(), d.data_ptr(), d.data_ptr() + 4 * SWIGLU_BLOCK,
+    _library().hr_swiglu_backward(gate_up.data_ptr(), gate_up.data_ptr() + 4 * GATE_UP_BLOCK, 2 * cols,
+                                  2 * GATE_UP_BLOCK, grad.data_ptr(), d.data_ptr(), d.data_ptr() + 4 * GATE_UP_BLOCK,
                                   grad.numel() // max(cols, 1), cols, torch.get_num_threads())
     return d
 

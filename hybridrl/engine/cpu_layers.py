@@ -125,7 +125,7 @@ def swiglu_fused(gate_up: torch.Tensor) -> torch.Tensor:
     (``cpu_attention.swiglu_fused``, fp32 CPU rows a multiple of 32 wide; else torch's ops)."""
     if cpu_attention.swiglu_fused_usable(gate_up):
         return _swiglu_fused_op(gate_up)
-    gate, up = gate_up.unflatten(-1, (-1, 2, cpu_attention.SWIGLU_BLOCK)).unbind(-2)
+    gate, up = gate_up.unflatten(-1, (-1, 2, cpu_attention.GATE_UP_BLOCK)).unbind(-2)
     return F.silu(gate.flatten(-2)) * up.flatten(-2)
 
 
@@ -254,7 +254,7 @@ def _use_rope_kernel(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------- models
-def interleave_rows(a: torch.Tensor, b: torch.Tensor, block: int = cpu_attention.SWIGLU_BLOCK) -> torch.Tensor:
+def interleave_rows(a: torch.Tensor, b: torch.Tensor, block: int = cpu_attention.GATE_UP_BLOCK) -> torch.Tensor:
     """Rows of ``a`` and ``b`` (one shape, rows a multiple of ``block``) in turn, ``block`` at a time:
     the fused gate-up weight (or bias) whose product ``swiglu_fused`` reads."""
     return torch.stack([a.unflatten(0, (-1, block)), b.unflatten(0, (-1, block))], 1).flatten(0, 2)
@@ -293,7 +293,7 @@ def _fused_gate_up(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     their width."""
     gate, up = mlp.gate_proj, mlp.up_proj
     if (not _one_product(gate, up) or gate.weight.shape != up.weight.shape
-            or gate.weight.shape[0] % cpu_attention.SWIGLU_BLOCK or not fp32_cpu(x)):
+            or gate.weight.shape[0] % cpu_attention.GATE_UP_BLOCK or not fp32_cpu(x)):
         return None
     bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
     return _product(type(gate), x, interleave_rows(gate.weight, up.weight), bias)
@@ -334,11 +334,13 @@ def _fusable_attention(module: nn.Module) -> bool:
     if (name not in _WINDOW or named[:4] != ["self", "hidden_states", "position_embeddings", "attention_mask"]
             or not set(named[4:]) <= set(_CACHE_ARGS) or len(named) == len(params)):
         return False
-    module.hybridrl_named_cache_args = tuple(named[4:])  # what the class's forward takes out of **kwargs
     if (name == "Qwen3Attention") != hasattr(module, "q_norm"):
         return False
     projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    return all(isinstance(m, nn.Module) for m in projections) and _one_product(*projections)
+    if not (all(isinstance(m, nn.Module) for m in projections) and _one_product(*projections)):
+        return False
+    module.hybridrl_named_cache_args = tuple(named[4:])  # what the class's forward takes out of **kwargs
+    return True
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, *args,

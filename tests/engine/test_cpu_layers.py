@@ -175,8 +175,8 @@ def test_wide_or_hooked_projections_stay_separate(monkeypatch):
 
 
 def _interleaved_reference(gate_up):
-    """gate and up of a fused product's rows (SWIGLU_BLOCK of each in turn), by torch's ops."""
-    gate, up = gate_up.unflatten(-1, (-1, 2, cpu_attention.SWIGLU_BLOCK)).unbind(-2)
+    """gate and up of a fused product's rows (GATE_UP_BLOCK of each in turn), by torch's ops."""
+    gate, up = gate_up.unflatten(-1, (-1, 2, cpu_attention.GATE_UP_BLOCK)).unbind(-2)
     return F.silu(gate.flatten(-2)) * up.flatten(-2)
 
 
