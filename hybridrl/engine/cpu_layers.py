@@ -336,6 +336,10 @@ def _fusable_attention(module: nn.Module) -> bool:
         return False
     if (name == "Qwen3Attention") != hasattr(module, "q_norm"):
         return False
+    try:  # transformers versions whose forward worked its sliding window out otherwise keep their forward
+        _WINDOW[name](module)
+    except AttributeError:
+        return False
     projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not (all(isinstance(m, nn.Module) for m in projections) and _one_product(*projections)):
         return False

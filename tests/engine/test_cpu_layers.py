@@ -155,7 +155,8 @@ def test_generation_with_a_cache_takes_transformers_attention(monkeypatch):
 
 def test_wide_or_hooked_projections_stay_separate(monkeypatch):
     """Inputs wider than FUSE_MAX_INPUT keep one product per projection (their weights' copies cost
-    more than one product saves); so do projections with a hook, which the one product would skip."""
+    more than one product saves); so do projections with a hook, which the one product would skip,
+    and attentions without the attributes the forward passes on (an older transformers')."""
     widths = []
     real = cpu_layers._product
     monkeypatch.setattr(cpu_layers, "_product", lambda kind, x, w, b: widths.append(w.shape[0]) or real(kind, x, w, b))
@@ -166,7 +167,11 @@ def test_wide_or_hooked_projections_stay_separate(monkeypatch):
     assert widths == []
     model = build_model()
     layers = model.config.num_hidden_layers
-    assert use_cpu_layers(model)["qkv"] == layers
+    del model.model.layers[0].self_attn.sliding_window  # as a forward that reads no such attribute
+    assert use_cpu_layers(model)["qkv"] == layers - 1
+    assert use_cpu_layers(build_model())["qkv"] == layers
+    model = build_model()
+    use_cpu_layers(model)
     seen = []
     model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *a: seen.append("up"))
     model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: seen.append("k"))
