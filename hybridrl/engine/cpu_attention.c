@@ -789,22 +789,12 @@ static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
  * two 1.5 KB runs per 3 KB row and took twice as long: 3.3-3.5 against 1.4-1.5 ms at (8342, 384),
  * a Zen 4, one thread, where the interleaved rows take 1.4.) Tails (cols not a multiple of 16) only
  * with step 16. */
-#define SWIGLU_AT(p, r, j) ((p) + (r) * gs + (j) / 16 * step)
 
 /* h (rows, cols) contiguous = silu(g) u */
 void hr_swiglu(const float *g, const float *u, int64_t gs, int64_t step, float *h, int64_t rows, int64_t cols,
                int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
-    for (int64_t r = 0; r < rows; r++) {
-        float *hr = h + r * cols;
-        int64_t j = 0;
-        for (; j + 16 <= cols; j += 16)
-            hv_storeu(hr + j, hv_swiglu(hv_loadu(SWIGLU_AT(g, r, j)), hv_loadu(SWIGLU_AT(u, r, j))));
-        if (j < cols) {
-            hm m = lanes(cols - j);
-            hv_mask_storeu(hr + j, m, hv_swiglu(hv_maskz_loadu(m, SWIGLU_AT(g, r, j)), hv_maskz_loadu(m, SWIGLU_AT(u, r, j))));
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) hv_swiglu_row(g + r * gs, u + r * gs, step, h + r * cols, cols);
 }
 
 /* dg, du (laid out as g and u): the gradients of hr_swiglu's h for dh (rows, cols) contiguous */
@@ -812,22 +802,21 @@ void hr_swiglu_backward(const float *g, const float *u, int64_t gs, int64_t step
                         float *du, int64_t rows, int64_t cols, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
     for (int64_t r = 0; r < rows; r++) {
-        const float *dhr = dh + r * cols;
-        int64_t j = 0;
+        const float *gr = g + r * gs, *ur = u + r * gs, *dhr = dh + r * cols;
+        float *dgr = dg + r * gs, *dur = du + r * gs;
+        int64_t j = 0, at = 0;
         hv a, c;
-        for (; j + 16 <= cols; j += 16) {
-            swiglu_backward16(hv_loadu(SWIGLU_AT(g, r, j)), hv_loadu(SWIGLU_AT(u, r, j)), hv_loadu(dhr + j), &a, &c);
-            hv_storeu(SWIGLU_AT(dg, r, j), a), hv_storeu(SWIGLU_AT(du, r, j), c);
+        for (; j + 16 <= cols; j += 16, at += step) {
+            swiglu_backward16(hv_loadu(gr + at), hv_loadu(ur + at), hv_loadu(dhr + j), &a, &c);
+            hv_storeu(dgr + at, a), hv_storeu(dur + at, c);
         }
         if (j < cols) {
             hm m = lanes(cols - j);
-            swiglu_backward16(hv_maskz_loadu(m, SWIGLU_AT(g, r, j)), hv_maskz_loadu(m, SWIGLU_AT(u, r, j)),
-                              hv_maskz_loadu(m, dhr + j), &a, &c);
-            hv_mask_storeu(SWIGLU_AT(dg, r, j), m, a), hv_mask_storeu(SWIGLU_AT(du, r, j), m, c);
+            swiglu_backward16(hv_maskz_loadu(m, gr + at), hv_maskz_loadu(m, ur + at), hv_maskz_loadu(m, dhr + j), &a, &c);
+            hv_mask_storeu(dgr + at, m, a), hv_mask_storeu(dur + at, m, c);
         }
     }
 }
-#undef SWIGLU_AT
 
 /* ------------------------------------------------------------------ RMSNorm
  * y = w (x r), r = 1 / sqrt(mean(x^2) + eps) per row (Llama, Qwen2 and Mistral's RMSNorm), and its

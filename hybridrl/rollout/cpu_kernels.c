@@ -116,12 +116,7 @@ void hr_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, 
         const float *u = g + width;
         float *o = out + r * width;
 #if HR_SIMD
-        int64_t i = 0;
-        for (; i + 16 <= width; i += 16) hv_storeu(o + i, hv_swiglu(hv_loadu(g + i), hv_loadu(u + i)));
-        if (i < width) {
-            hm m = lanes(width - i);
-            hv_mask_storeu(o + i, m, hv_swiglu(hv_maskz_loadu(m, g + i), hv_maskz_loadu(m, u + i)));
-        }
+        hv_swiglu_row(g, u, 16, o, width);
 #else
         for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 #endif
