@@ -134,13 +134,6 @@ static inline hm lanes(int64_t n) {
     return n >= 16 ? (hm)0xFFFF : n <= 0 ? (hm)0 : (hm)((1u << n) - 1);
 }
 
-/* Requests the cache line at p into L1 (prefetcht0), in asm so that the compiler keeps it. GCC
- * counts a prefetch (__builtin_prefetch, _mm_prefetch) as free of side effects, so to it a function
- * that does nothing but prefetch is pure and a call to it dead code: the training attention's
- * per-block requests (prefetch_next_block in hybridrl/engine/cpu_attention.c) were compiled out,
- * none of them in the library. A prefetch inside a function that also stores is kept either way. */
-static inline void hv_request(const void *p) { __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p)); }
-
 /* a / b, correctly rounded. In asm: under -ffast-math GCC turns a vector division into a reciprocal
  * estimate and a Newton step (2 ulp; silu's gradient at g = 1e4 came out 6e-4 off). */
 #if HR_SIMD == 512
