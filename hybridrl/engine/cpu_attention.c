@@ -408,6 +408,30 @@ static inline __attribute__((always_inline)) void prefetch_next_block(const floa
         }
 }
 
+/* Requests into L2 the n rows of x that are st apart, D floats each (inlined, as above). */
+static inline __attribute__((always_inline)) void request_rows(const float *x, int64_t st, int64_t n, int64_t D) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(x + t * st + c), _MM_HINT_T1);
+}
+
+/* Requests into L2 the rows that (row, kv head) `item` reads from memory: its own keys and values,
+ * which it gathers and transposes first, and in the backward its query heads' queries and output
+ * gradients; asked for while the item before it on the same thread runs (threads take items in
+ * turn, so that is item - threads; nothing past the last). At the tiny model's shapes, one thread,
+ * three rounds of 31 calls: forward 4.87-5.00 -> 4.63-4.72 ms, backward 9.06-9.58 -> 8.92-9.23;
+ * two threads and 9 / 3 heads of 64 within their spread or 1-5% faster. */
+static inline __attribute__((always_inline)) void request_item(const hr_att *a, int64_t item, int backward) {
+    if (item >= a->B * a->KVH) return;
+    int64_t b = item / a->KVH, kh = item % a->KVH, G = a->H / a->KVH, T = a->T, D = a->D;
+    if (backward)
+        for (int64_t g = 0; g < G; g++) {
+            request_rows(a->q + b * a->qsb + (kh * G + g) * a->qsh, a->qst, T, D);
+            request_rows(a->dout + (b * T * a->H + kh * G + g) * D, a->H * D, T, D);
+        }
+    request_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - a->P, D);
+    request_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - a->P, D);
+}
+
 /* One (row, kv head): its query heads' outputs and log-sum-exps. The keys are transposed from where
  * they lie (only the values, read once per block of queries, are gathered). */
 static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh) {
@@ -547,6 +571,7 @@ static int run(hr_att *a, int backward, int nthreads) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < a->B * a->KVH; item++) {
             if (!sc) continue;
+            request_item(a, item + omp_get_num_threads(), backward);
             if (backward)
                 backward_item(a, sc, item / a->KVH, item % a->KVH);
             else
