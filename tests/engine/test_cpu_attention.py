@@ -2,6 +2,7 @@
 scaled_dot_product_attention, values and gradients, and where they hand over to it."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -303,3 +304,14 @@ def test_train_engine_attends_through_the_kernels_with_sdpa_numbers(monkeypatch,
         results[kernels] = [(m["loss"], m["grad_norm"]) for m in metrics]
     for (loss, norm), (ref_loss, ref_norm) in zip(results[True], results[False]):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_library_keeps_its_block_requests():
+    """The built library holds the attention's cache-line requests: the next block's rows into L1
+    (backward) and L2 (forward), the next item's into L2. GCC drops a call to a function that does
+    nothing but prefetch, so moving them into such a function compiles them out without a sign."""
+    code = subprocess.run(["objdump", "-d", cpu_attention._library()._name], capture_output=True, text=True,
+                          check=True).stdout
+    assert code.count("prefetcht0") >= 3, "the backward's block requests were compiled out"
+    assert code.count("prefetcht1") >= 4, "the forward's block requests or the item requests were compiled out"
