@@ -383,24 +383,17 @@ static void gather_kv(const hr_att *a, int64_t b, int64_t kh, float *kc, float *
     gather_values(a, b, kh, vc);
 }
 
-/* Requests the rows of x (queries, or the output's gradient) of the block after (t0, h): the next RB
- * positions of this head, else the first of the next head of the same kv head. A block's rows are st
- * apart, which the hardware prefetcher does not follow. Into L1 (`l2` 0, the backward) or L2 (`l2` 1,
- * the forward, whose blocks the L1 requests slowed: 5.6-5.9 against 5.1-5.2 ms at the tiny model's
- * shapes).
+/* Requests the n rows of x that are st apart, D floats each, into L1 (`l2` 0) or L2 (`l2` 1).
  *
- * Inlined always: GCC counts a prefetch as free of side effects, so a function that only prefetches
- * is pure to it and a call to one is dropped as dead code. Until 2026-12-06 this function was such a
- * call, and the library held none of its requests. At the tiny model's shapes (4 / 2 heads of 32, one
- * thread, medians of 31 calls alternating in one process, three rounds) the requests take the
- * backward from 9.67-10.05 to 9.02-9.37 ms and the forward from 4.83-5.13 to 4.63-4.87. */
-static inline __attribute__((always_inline)) void prefetch_next_block(const float *x, int64_t sb, int64_t sh,
-        int64_t st, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t h_end, int64_t D, const int l2) {
-    int64_t nt = t0 + RB < T ? t0 + RB : 0, nh = t0 + RB < T ? h : h + 1;
-    if (nh >= h_end) return;
-    for (int64_t r = 0; r < RB && nt + r < T; r++)
+ * Inlined always, as are its callers: GCC counts a prefetch as free of side effects, so a function
+ * that only prefetches is pure to it and a call to one is dropped as dead code. Until 2026-12-06
+ * prefetch_next_block was such a call, and the library held none of its requests
+ * (tests/engine/test_cpu_attention.py checks the built library for them). */
+static inline __attribute__((always_inline)) void request_rows(const float *x, int64_t st, int64_t n, int64_t D,
+                                                               const int l2) {
+    for (int64_t t = 0; t < n; t++)
         for (int64_t c = 0; c < D; c += 16) {
-            const char *p = (const char *)(x + b * sb + nh * sh + (nt + r) * st + c);
+            const char *p = (const char *)(x + t * st + c);
             if (l2)
                 _mm_prefetch(p, _MM_HINT_T1);
             else
@@ -408,10 +401,17 @@ static inline __attribute__((always_inline)) void prefetch_next_block(const floa
         }
 }
 
-/* Requests into L2 the n rows of x that are st apart, D floats each (inlined, as above). */
-static inline __attribute__((always_inline)) void request_rows(const float *x, int64_t st, int64_t n, int64_t D) {
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(x + t * st + c), _MM_HINT_T1);
+/* Requests the rows of x (queries, or the output's gradient) of the block after (t0, h): the next RB
+ * positions of this head, else the first of the next head of the same kv head. A block's rows are st
+ * apart, which the hardware prefetcher does not follow. Into L1 (`l2` 0, the backward) or L2 (`l2` 1,
+ * the forward, whose blocks the L1 requests slowed: 5.6-5.9 against 5.1-5.2 ms at the tiny model's
+ * shapes). At the tiny model's shapes (4 / 2 heads of 32, one thread, medians of 31 calls
+ * alternating in one process, three rounds) the requests take the backward from 9.67-10.05 to
+ * 9.02-9.37 ms and the forward from 4.83-5.13 to 4.63-4.87. */
+static inline __attribute__((always_inline)) void prefetch_next_block(const float *x, int64_t sb, int64_t sh,
+        int64_t st, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t h_end, int64_t D, const int l2) {
+    int64_t nt = t0 + RB < T ? t0 + RB : 0, nh = t0 + RB < T ? h : h + 1;
+    if (nh < h_end) request_rows(x + b * sb + nh * sh + nt * st, st, T - nt < RB ? T - nt : RB, D, l2);
 }
 
 /* Requests into L2 the rows that (row, kv head) `item` reads from memory: its own keys and values,
@@ -426,11 +426,11 @@ static inline __attribute__((always_inline)) void request_item(const hr_att *a, 
     int64_t b = item / a->KVH, kh = item % a->KVH, G = a->H / a->KVH, T = a->T, D = a->D;
     if (backward)
         for (int64_t g = 0; g < G; g++) {
-            request_rows(a->q + b * a->qsb + (kh * G + g) * a->qsh, a->qst, T, D);
-            request_rows(a->dout + (b * T * a->H + kh * G + g) * D, a->H * D, T, D);
+            request_rows(a->q + b * a->qsb + (kh * G + g) * a->qsh, a->qst, T, D, 1);
+            request_rows(a->dout + (b * T * a->H + kh * G + g) * D, a->H * D, T, D, 1);
         }
-    request_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - a->P, D);
-    request_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - a->P, D);
+    request_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - a->P, D, 1);
+    request_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - a->P, D, 1);
 }
 
 /* One (row, kv head): its query heads' outputs and log-sum-exps. The keys are transposed from where
