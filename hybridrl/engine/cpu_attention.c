@@ -383,35 +383,53 @@ static void gather_kv(const hr_att *a, int64_t b, int64_t kh, float *kc, float *
     gather_values(a, b, kh, vc);
 }
 
-/* Requests the n rows of x that are st apart, D floats each, into L1 (`l2` 0) or L2 (`l2` 1).
+/* How a request asks for its lines: into L1 or L2 to be read, or (`prefetchw` where the CPU has it)
+ * owned, to be written: a block's output rows are st apart, a stream the hardware prefetcher does not
+ * follow, and each of their first stores otherwise waits for its line to be read from memory. */
+enum { FOR_L1, FOR_L2, FOR_WRITE };
+
+/* Requests the n rows of x that are st apart, D floats each, as `how` says.
  *
  * Inlined always, as are its callers: GCC counts a prefetch as free of side effects, so a function
  * that only prefetches is pure to it and a call to one is dropped as dead code. Until 2026-12-06
  * prefetch_next_block was such a call, and the library held none of its requests
  * (tests/engine/test_cpu_attention.py checks the built library for them). */
 static inline __attribute__((always_inline)) void request_rows(const float *x, int64_t st, int64_t n, int64_t D,
-                                                               const int l2) {
+                                                               const int how) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t c = 0; c < D; c += 16) {
             const char *p = (const char *)(x + t * st + c);
-            if (l2)
+            if (how == FOR_WRITE)
+                __builtin_prefetch(p, 1, 3);
+            else if (how == FOR_L2)
                 _mm_prefetch(p, _MM_HINT_T1);
             else
                 _mm_prefetch(p, _MM_HINT_T0);
         }
 }
 
-/* Requests the rows of x (queries, or the output's gradient) of the block after (t0, h): the next RB
- * positions of this head, else the first of the next head of the same kv head. A block's rows are st
- * apart, which the hardware prefetcher does not follow. Into L1 (`l2` 0, the backward) or L2 (`l2` 1,
- * the forward, whose blocks the L1 requests slowed: 5.6-5.9 against 5.1-5.2 ms at the tiny model's
- * shapes). At the tiny model's shapes (4 / 2 heads of 32, one thread, medians of 31 calls
+/* Requests the rows of x (queries, the output's gradient, or the output the block writes) of the
+ * block after (t0, h): the next RB positions of this head, else the first of the next head of the same
+ * kv head. A block's rows are st apart, which the hardware prefetcher does not follow. Queries into L1
+ * (the backward) or L2 (the forward, whose blocks the L1 requests slowed: 5.6-5.9 against 5.1-5.2 ms
+ * at the tiny model's shapes). At the tiny model's shapes (4 / 2 heads of 32, one thread, medians of 31 calls
  * alternating in one process, three rounds) the requests take the backward from 9.67-10.05 to
  * 9.02-9.37 ms and the forward from 4.83-5.13 to 4.63-4.87. */
 static inline __attribute__((always_inline)) void prefetch_next_block(const float *x, int64_t sb, int64_t sh,
-        int64_t st, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t h_end, int64_t D, const int l2) {
+        int64_t st, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t h_end, int64_t D, const int how) {
     int64_t nt = t0 + RB < T ? t0 + RB : 0, nh = t0 + RB < T ? h : h + 1;
-    if (nh < h_end) request_rows(x + b * sb + nh * sh + nt * st, st, T - nt < RB ? T - nt : RB, D, l2);
+    if (nh < h_end) request_rows(x + b * sb + nh * sh + nt * st, st, T - nt < RB ? T - nt : RB, D, how);
+}
+
+/* Requests for writing the share of (row b, kv head kh)'s dK and dV output rows that falls to its
+ * block (g, t0): the item writes them all at its end, and asking for a sixteenth of them per block
+ * (at the tiny model's shapes) keeps those stores from waiting on memory. */
+static inline __attribute__((always_inline)) void claim_kv_grads(const hr_att *a, int64_t b, int64_t kh, int64_t g,
+                                                                 int64_t t0) {
+    int64_t per_head = (a->T + RB - 1) / RB, blocks = per_head * (a->H / a->KVH), i = g * per_head + t0 / RB;
+    int64_t n = a->S - a->P, r0 = i * n / blocks, r1 = (i + 1) * n / blocks, at = b * a->dksb + kh * a->dksh + r0 * a->dkst;
+    request_rows(a->dk + at, a->dkst, r1 - r0, a->D, FOR_WRITE);
+    request_rows(a->dv + at, a->dkst, r1 - r0, a->D, FOR_WRITE);
 }
 
 /* Requests into L2 the rows that (row, kv head) `item` reads from memory: its own keys and values,
@@ -426,11 +444,11 @@ static inline __attribute__((always_inline)) void request_item(const hr_att *a, 
     int64_t b = item / a->KVH, kh = item % a->KVH, G = a->H / a->KVH, T = a->T, D = a->D;
     if (backward)
         for (int64_t g = 0; g < G; g++) {
-            request_rows(a->q + b * a->qsb + (kh * G + g) * a->qsh, a->qst, T, D, 1);
-            request_rows(a->dout + (b * T * a->H + kh * G + g) * D, a->H * D, T, D, 1);
+            request_rows(a->q + b * a->qsb + (kh * G + g) * a->qsh, a->qst, T, D, FOR_L2);
+            request_rows(a->dout + (b * T * a->H + kh * G + g) * D, a->H * D, T, D, FOR_L2);
         }
-    request_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - a->P, D, 1);
-    request_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - a->P, D, 1);
+    request_rows(a->k + b * a->ksb + kh * a->ksh, a->kst, a->S - a->P, D, FOR_L2);
+    request_rows(a->v + b * a->vsb + kh * a->vsh, a->vst, a->S - a->P, D, FOR_L2);
 }
 
 /* One (row, kv head): its query heads' outputs and log-sum-exps. The keys are transposed from where
@@ -456,7 +474,8 @@ static void forward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh)
                 for (int64_t r = 0; r < rows; r++) memset(orow[r], 0, D * sizeof(float)), lrow[r] = 0.f;
                 continue;
             }
-            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D, 1);
+            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D, FOR_L2);
+            prefetch_next_block(a->out, T * H * D, D, H * D, b, h, t0, T, kh * G + G, D, FOR_WRITE);
             row_dots(qr, sc->kt, Sp, D, j0, j1, sc->p);
             softmax_rows(a, b, t0, rows, sc->p, Sp, j0, j1, NULL, lrow, inv);
             weighted_rows(sc->p, Sp, sc->vc, D, D, j0, j1 < S ? j1 : S, inv, orow);
@@ -478,8 +497,10 @@ static void backward_item(const hr_att *a, hr_scratch *sc, int64_t b, int64_t kh
             int64_t rows = T - t0 < RB ? T - t0 : RB, j0, j1;
             const float *qr[RB], *dor[RB];
             float *dqr[RB], discard[RB][256] __attribute__((aligned(64))), delta[RB];
-            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D, 0);
-            prefetch_next_block(a->dout, T * H * D, D, H * D, b, h, t0, T, kh * G + G, D, 0);
+            prefetch_next_block(a->q, a->qsb, a->qsh, a->qst, b, h, t0, T, kh * G + G, D, FOR_L1);
+            prefetch_next_block(a->dout, T * H * D, D, H * D, b, h, t0, T, kh * G + G, D, FOR_L1);
+            prefetch_next_block(a->dq, a->dqsb, a->dqsh, a->dqst, b, h, t0, T, kh * G + G, D, FOR_WRITE);
+            claim_kv_grads(a, b, kh, g, t0);
             for (int r = 0; r < RB; r++) {
                 int64_t t = r < rows ? t0 + r : t0 + rows - 1;
                 qr[r] = a->q + b * a->qsb + h * a->qsh + t * a->qst;

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,3 +316,6 @@ def test_library_keeps_its_block_requests():
                           check=True).stdout
     assert code.count("prefetcht0") >= 3, "the backward's block requests were compiled out"
     assert code.count("prefetcht1") >= 4, "the forward's block requests or the item requests were compiled out"
+    if cpu_attention.simd_width() in (256, 512) and "3dnowprefetch" in Path("/proc/cpuinfo").read_text():
+        # a -march=native build on a CPU with prefetchw: the output rows requested for writing
+        assert code.count("prefetchw") >= 3, "the requests for the output rows were compiled out"
