@@ -88,7 +88,8 @@ def test_weight_gradients_take_hybridrls_kernel_where_it_applies(bias, monkeypat
     monkeypatch.setattr(cpu_matmul, "_weight_grad_choice", "onednn")
     calls = []
     real = cpu_attention.weight_grad
-    monkeypatch.setattr(cpu_attention, "weight_grad", lambda grad, x: calls.append(grad.shape) or real(grad, x))
+    monkeypatch.setattr(cpu_attention, "weight_grad",
+                        lambda grad, x, with_bias=False: calls.append(grad.shape) or real(grad, x, with_bias))
     gen = torch.Generator().manual_seed(1)
     for rows, inner, out, native in [(1100, 128, 384, True), (1100, 40, 96, False), (300, 512, 512, False)]:
         x, grad = torch.randn(rows, inner, generator=gen), torch.randn(rows, out, generator=gen)

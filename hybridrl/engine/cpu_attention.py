@@ -81,7 +81,7 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_token_logprob_backward.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT]
     lib.hr_token_logprob.restype = lib.hr_token_logprob_backward.restype = None
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
-    lib.hr_weight_grad.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
+    lib.hr_weight_grad.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.hr_weight_grad.restype = _INT
     lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _INT], None
     lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
@@ -623,16 +623,20 @@ def weight_grad_usable(grad: torch.Tensor, x: torch.Tensor) -> bool:
             and x.shape[1] > 0 and grad.shape[1] * x.shape[1] <= WEIGHT_GRAD_MAX_OUTPUTS and simd_width() == 512)
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad.t() @ x`` (a linear's weight gradient) for operands ``weight_grad_usable`` takes, reading
-    both in place (no transposed copy, unlike a BLAS's inner product here): a sum of outer products
-    over the rows, in row order, so the same floats on any number of threads."""
+def weight_grad(grad: torch.Tensor, x: torch.Tensor,
+                with_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``grad.t() @ x``, a linear's weight gradient, and with ``with_bias`` its bias's, ``grad.sum(0)``,
+    else None) for operands ``weight_grad_usable`` takes, reading both in place (no transposed copy,
+    unlike a BLAS's inner product here): sums over the rows in row order, so the same floats on any
+    number of threads; the bias's from the same pass over grad."""
     out = torch.empty(grad.shape[1], x.shape[1])
+    bias = torch.empty(grad.shape[1]) if with_bias else None
     rc = _library().hr_weight_grad(grad.data_ptr(), grad.stride(0), x.data_ptr(), x.stride(0), grad.shape[0],
-                                   grad.shape[1], x.shape[1], out.data_ptr(), torch.get_num_threads())
+                                   grad.shape[1], x.shape[1], out.data_ptr(),
+                                   bias.data_ptr() if with_bias else None, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"hr_weight_grad refused operands {tuple(grad.shape)} and {tuple(x.shape)}")
-    return out
+    return out, bias
 
 
 def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

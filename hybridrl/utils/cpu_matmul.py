@@ -245,14 +245,16 @@ def _onednn_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _onednn(transposed(grad), x.t(), None)  # grad^T (out, m) @ x: the inner product reads x^T in place
 
 
-def _native_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad^T x by hybridrl's kernel where it applies (``cpu_attention.weight_grad``: both operands read
-    in place, no transposed copy; the rates in cpu_attention.c), else ``_onednn_weight_grad``."""
+def _native_weight_grad(grad: torch.Tensor, x: torch.Tensor,
+                        with_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad^T x, and with ``with_bias`` grad summed over rows, else None): by hybridrl's kernel where it
+    applies (``cpu_attention.weight_grad``: both operands read in place, no transposed copy, the bias's
+    sum from the same pass; the rates in cpu_attention.c), else ``_onednn_weight_grad`` and torch's sum."""
     from hybridrl.engine import cpu_attention
 
     if cpu_attention.weight_grad_usable(grad, x):
-        return cpu_attention.weight_grad(grad, x)
-    return _onednn_weight_grad(grad, x)
+        return cpu_attention.weight_grad(grad, x, with_bias)
+    return _onednn_weight_grad(grad, x), grad.sum(0) if with_bias else None
 
 
 def _calibrate_weight_grad(reps: int = 3) -> str:
@@ -315,9 +317,10 @@ def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if weight_grad_backend() == "mkl":  # MKL's sgemm reads the transposed operand in place
         grad_w = torch.mm(x.t(), grad).t().contiguous() if mkl_weight_grad_reads_x(
             grad.shape[1], x.shape[1]) else torch.mm(grad.t(), x)
+        grad_b = grad.sum(0) if with_bias else None
     else:
-        grad_w = _native_weight_grad(grad, x)
-    return grad_w, grad.sum(0) if with_bias else grad.new_empty(0)
+        grad_w, grad_b = _native_weight_grad(grad, x, with_bias)
+    return grad_w, grad_b if with_bias else grad.new_empty(0)
 
 
 @_weight_grad_op.register_fake

@@ -243,13 +243,16 @@ def test_weight_grad_matches_float64_on_any_number_of_threads(rows, out, inner):
     # rows further apart than their width, as a linear's input can be (a column slice)
     grad = torch.randn(rows, out + 5, generator=gen)[:, :out]
     x = torch.randn(rows, inner + 16, generator=gen)[:, :inner]
-    one = _threads(1, lambda: cpu_attention.weight_grad(grad, x))
-    two = _threads(2, lambda: cpu_attention.weight_grad(grad, x))
-    assert one.shape == (out, inner) and one.is_contiguous()
-    expected = grad.double().t() @ x.double()
+    (one, bias_one), (two, bias_two) = (_threads(n, lambda: cpu_attention.weight_grad(grad, x, True)) for n in (1, 2))
+    assert one.shape == (out, inner) and one.is_contiguous() and bias_one.shape == (out,)
+    expected, expected_bias = grad.double().t() @ x.double(), grad.double().sum(0)
     scale = max(float(expected.abs().max()), 1.0)
     assert float((one.double() - expected).abs().max()) / scale < 1e-5
-    assert torch.equal(one, two)  # each output one thread's, summed over rows in order
+    assert float((bias_one.double() - expected_bias).abs().max()) < 1e-5 * max(rows, 1) ** 0.5
+    # each output one thread's, summed over rows in order; the bias's too
+    assert torch.equal(one, two) and torch.equal(bias_one, bias_two)
+    plain, no_bias = cpu_attention.weight_grad(grad, x)
+    assert torch.equal(plain, one) and no_bias is None
 
 
 def test_weight_grad_usable_takes_the_shapes_it_was_measured_faster_on():
