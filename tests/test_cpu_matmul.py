@@ -101,6 +101,28 @@ def test_weight_gradients_take_hybridrls_kernel_where_it_applies(bias, monkeypat
             _close(grad_b, grad.double().sum(0).float())
 
 
+def test_training_products_take_hybridrls_kernel_where_it_applies(monkeypatch):
+    """The forward and input-gradient products of ``OneDNNLinear`` go to ``cpu_attention.linear`` at the
+    shapes it takes (an AVX-512 build) and to oneDNN otherwise, the same numbers to float rounding."""
+    from hybridrl.engine import cpu_attention
+
+    calls = []
+    real = cpu_attention.linear
+    monkeypatch.setattr(cpu_attention, "linear", lambda x, w, b=None: calls.append(tuple(x.shape)) or real(x, w, b))
+    gen = torch.Generator().manual_seed(2)
+    for rows, inner, out in [(2048, 128, 256), (100, 128, 256), (2048, 40, 24)]:
+        x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, inner), (out, inner), (out,)))
+        grad = torch.randn(rows, out, generator=gen)
+        calls.clear()
+        y = cpu_matmul._linear_op(x, weight, bias)
+        grad_x = cpu_matmul._input_grad_op(grad, weight)
+        fast = rows >= cpu_attention.LINEAR_MIN_ROWS and cpu_attention.simd_width() == 512
+        # the forward (out wide) and the input gradient (inner wide) where their outputs are multiples of 16
+        assert calls == [shape for shape, width in (((rows, inner), out), ((rows, out), inner)) if fast and width % 16 == 0]
+        _close(y, torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float())
+        _close(grad_x, (grad.double() @ weight.double()).float())
+
+
 def test_weight_gradient_plans_of_the_benchmark_shapes():
     """The shapes the plans were measured on (cpu_matmul's table): SmolLM2's update, the tiny and the 25M model's."""
     def plan(rows, out, inner):  # the shapes with their row counts; the plan depends on out and inner

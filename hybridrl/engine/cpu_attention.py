@@ -43,7 +43,8 @@ from hybridrl.utils.cpu_matmul import fp32_cpu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "register", "rms_norm",
+__all__ = ["ATTENTION_NAME", "attention", "available", "flat_sizes", "heads_layout", "hf_attention", "linear",
+           "linear_usable", "register", "rms_norm",
            "rms_norm_backward", "rms_norm_usable", "rope", "rope_usable",
            "shared_prompt_attention", "shared_prompt_usable", "simd_width", "split_flat", "swiglu",
            "swiglu_backward", "GATE_UP_BLOCK", "swiglu_fused", "swiglu_fused_backward", "swiglu_fused_usable",
@@ -83,6 +84,8 @@ def _library() -> ctypes.CDLL | None:
     lib.hr_transpose.argtypes, lib.hr_transpose.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
     lib.hr_weight_grad.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.hr_weight_grad.restype = _INT
+    lib.hr_linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]
+    lib.hr_linear.restype = _INT
     lib.hr_swiglu.argtypes, lib.hr_swiglu.restype = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _INT], None
     lib.hr_swiglu_backward.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
     lib.hr_swiglu_backward.restype = None
@@ -606,6 +609,34 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
 
 
 WEIGHT_GRAD_MAX_OUTPUTS = 128 * 1024  # hr_weight_grad keeps them all in L2 (512 KB)
+
+# ``linear`` takes products of at least this many rows (its copy of the weight is made per call) and
+# weights of at most this many floats (its panels stay in L2): the shapes measured faster than oneDNN's
+# (cpu_attention.c, "linear products").
+LINEAR_MIN_ROWS = 1024
+LINEAR_MAX_WEIGHT = 2 * 1024 * 1024
+
+
+def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes ``x (m, in) @ weight (out, in)^T``: fp32 CPU, x's last stride 1 (weight
+    in any layout, e.g. the transposed view an input gradient reads), out a multiple of 16, at least
+    ``LINEAR_MIN_ROWS`` rows and at most ``LINEAR_MAX_WEIGHT`` weights, on an AVX-512 build."""
+    return (fp32_cpu(x, weight) and x.dim() == weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and x.stride(1) == 1 and x.shape[1] > 0 and weight.shape[0] % 16 == 0 and weight.shape[0] > 0
+            and x.shape[0] >= LINEAR_MIN_ROWS and weight.numel() <= LINEAR_MAX_WEIGHT and simd_width() == 512)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (m, out) for operands ``linear_usable`` takes, bias contiguous fp32 or
+    None: each output summed over ``in`` in order by one thread, so the same floats on any number."""
+    out = torch.empty(x.shape[0], weight.shape[0])
+    bias = None if bias is None else bias.contiguous()
+    rc = _library().hr_linear(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), weight.stride(0),
+                              weight.stride(1), weight.shape[0], None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"hr_linear refused operands {tuple(x.shape)} and {tuple(weight.shape)} ({rc})")
+    return out
 
 
 def weight_grad_usable(grad: torch.Tensor, x: torch.Tensor) -> bool:

@@ -28,9 +28,11 @@ chosen:
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward runs
   through the custom op ``hybridrl::linear_v<N>`` and whose input and weight gradients run through
   ``hybridrl::linear_input_grad_v<N>`` and ``hybridrl::linear_weight_grad_v<N>`` (each on the backend
-  chosen above; on the oneDNN side, weight gradients of up to 128 K outputs on an AVX-512 machine
-  run on hybridrl's own kernel, ``cpu_attention.weight_grad``, which needs no transposed copy), all
-  opaque to ``torch.compile``; the training engine applies it;
+  chosen above; on the oneDNN side, on an AVX-512 machine, weight gradients of up to 128 K outputs
+  run on hybridrl's own kernel, ``cpu_attention.weight_grad``, which needs no transposed copy, and
+  forward and input-gradient products of at least 1024 rows with up to 2 M weights on
+  ``cpu_attention.linear``, faster than oneDNN's with their operands cold), all opaque to
+  ``torch.compile``; the training engine applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
 
@@ -181,9 +183,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 OP_VERSION = 3
 
 
+def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (m, in) @ weight (out, in)^T + bias on the oneDNN side of a training product: hybridrl's kernel
+    where it applies (``cpu_attention.linear``; the rates in cpu_attention.c), else oneDNN's."""
+    from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
+
+    if cpu_attention.linear_usable(x, weight):
+        return cpu_attention.linear(x, weight, bias)
+    return _onednn(x, weight, bias)
+
+
 @torch.library.custom_op(f"hybridrl::linear_v{OP_VERSION}", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = _onednn(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    out = _training_product(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
     # a tensor of its own over the same memory, not a view: FSDP2 warns about (and autograd treats
     # specially) a module output that is a view, and the LM head's output is the model's
     return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
@@ -351,7 +363,7 @@ def _input_grad_op(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """grad (m, out) @ weight (out, in) by ``input_grad_backend``."""
     if input_grad_backend(weight.shape[1]) == "mkl":
         return torch.mm(grad, weight)
-    return _onednn(grad, weight.t(), None)  # the weight's transpose as oneDNN's (out', in')
+    return _training_product(grad, weight.t(), None)  # the weight's transpose as (out', in')
 
 
 @_input_grad_op.register_fake

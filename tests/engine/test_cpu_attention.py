@@ -255,6 +255,37 @@ def test_weight_grad_matches_float64_on_any_number_of_threads(rows, out, inner):
     assert torch.equal(plain, one) and no_bias is None
 
 
+@pytest.mark.parametrize(("rows", "inner", "out", "bias", "transposed_weight"), [
+    (8304, 128, 768, False, False), (8304, 128, 256, True, False),  # the tiny model's gate-up, q-k-v (bias)
+    (8304, 384, 128, False, True),  # its gate-up input gradient: the weight's transposed view
+    (1031, 40, 80, True, False),  # a last tile of 5 rows, a last panel of one 16-column vector
+    (1030, 7, 16, False, True), (1024, 1, 48, True, False),  # narrow sums, narrow outputs
+])
+def test_linear_matches_float64_on_any_number_of_threads(rows, inner, out, bias, transposed_weight):
+    gen = torch.Generator().manual_seed(rows + inner + out)
+    x = torch.randn(rows, inner + 3, generator=gen)[:, :inner]  # rows further apart than their width
+    weight = torch.randn(inner, out, generator=gen).t() if transposed_weight else torch.randn(out, inner, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    assert cpu_attention.linear_usable(x, weight) == (cpu_attention.simd_width() == 512)
+    one, two = (_threads(n, lambda: cpu_attention.linear(x, weight, b)) for n in (1, 2))
+    assert one.shape == (rows, out) and one.is_contiguous()
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert float((one.double() - expected).abs().max()) / max(float(expected.abs().max()), 1.0) < 1e-5
+    assert torch.equal(one, two)  # each output one thread's, summed in order
+
+
+def test_linear_usable_takes_the_shapes_it_was_measured_faster_on():
+    x, weight = torch.randn(2048, 128), torch.randn(1024, 128)
+    fast = cpu_attention.simd_width() == 512
+    assert cpu_attention.linear_usable(x, weight) == fast  # the tiny model's LM head
+    assert cpu_attention.linear_usable(torch.randn(4144, 512), torch.randn(3072, 512)) == fast  # the 25M's gate-up
+    assert not cpu_attention.linear_usable(x[:cpu_attention.LINEAR_MIN_ROWS - 1], weight)  # too few rows
+    assert not cpu_attention.linear_usable(x, torch.randn(1000, 128))  # outputs not a multiple of 16
+    assert not cpu_attention.linear_usable(torch.randn(2048, 576), torch.randn(49152, 576))  # SmolLM2's LM head
+    assert not cpu_attention.linear_usable(x.t().contiguous().t(), weight)  # columns apart
+    assert not cpu_attention.linear_usable(x.double(), weight.double())
+
+
 def test_weight_grad_usable_takes_the_shapes_it_was_measured_faster_on():
     grad, x = torch.randn(64, 1024), torch.randn(64, 128)
     fast = cpu_attention.simd_width() == 512
