@@ -409,12 +409,14 @@ static inline __attribute__((always_inline)) void request_rows(const float *x, i
 }
 
 /* Requests the rows of x (queries, the output's gradient, or the output the block writes) of the
- * block after (t0, h): the next RB positions of this head, else the first of the next head of the same
- * kv head. A block's rows are st apart, which the hardware prefetcher does not follow. Queries into L1
- * (the backward) or L2 (the forward, whose blocks the L1 requests slowed: 5.6-5.9 against 5.1-5.2 ms
- * at the tiny model's shapes). At the tiny model's shapes (4 / 2 heads of 32, one thread, medians of 31 calls
- * alternating in one process, three rounds) the requests take the backward from 9.67-10.05 to
- * 9.02-9.37 ms and the forward from 4.83-5.13 to 4.63-4.87. */
+ * block after (t0, h): the next RB positions of this head, else the first of the next head of the
+ * same kv head. A block's rows are st apart, which the hardware prefetcher does not follow. Queries
+ * into L1 (the backward) or L2 (the forward, whose blocks the L1 requests slowed: 5.6-5.9 against
+ * 5.1-5.2 ms at the tiny model's shapes). At the tiny model's shapes (4 / 2 heads of 32, one thread,
+ * medians of 31 calls alternating in one process, three rounds) the read requests take the backward
+ * from 9.67-10.05 to 9.02-9.37 ms and the forward from 4.83-5.13 to 4.63-4.87; with the cache flushed
+ * between calls, as in an update, the write requests then take them from 8.45-8.62 to 7.92-8.00 and
+ * from 4.52-4.56 to 4.27-4.28 (first quartiles). */
 static inline __attribute__((always_inline)) void prefetch_next_block(const float *x, int64_t sb, int64_t sh,
         int64_t st, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t h_end, int64_t D, const int how) {
     int64_t nt = t0 + RB < T ? t0 + RB : 0, nh = t0 + RB < T ? h : h + 1;
@@ -423,7 +425,9 @@ static inline __attribute__((always_inline)) void prefetch_next_block(const floa
 
 /* Requests for writing the share of (row b, kv head kh)'s dK and dV output rows that falls to its
  * block (g, t0): the item writes them all at its end, and asking for a sixteenth of them per block
- * (at the tiny model's shapes) keeps those stores from waiting on memory. */
+ * (at the tiny model's shapes) keeps those stores from waiting on memory (without the requests, the
+ * copy-out was 2.47 M of the backward's 23.1 M counter cycles; with them, leaving it out altogether
+ * saves nothing measurable). */
 static inline __attribute__((always_inline)) void claim_kv_grads(const hr_att *a, int64_t b, int64_t kh, int64_t g,
                                                                  int64_t t0) {
     int64_t per_head = (a->T + RB - 1) / RB, blocks = per_head * (a->H / a->KVH), i = g * per_head + t0 / RB;
@@ -799,8 +803,9 @@ static inline __attribute__((always_inline)) void wg_tile(const float *g, int64_
  * All outputs stay in L2 between chunks of rows, so any shape is computed but only those of up to
  * about 128 K outputs (512 KB) run fast: hybridrl/engine/cpu_attention.py takes the kernel for those.
  * With `bias`, also its gradient, grad summed over the rows (out floats), from each chunk of grad while
- * it is in L2: torch's column sum read all of grad again, 0.6 ms for the tiny model's q-k-v product
- * (8304 x 256), which this makes about a tenth of that. Row order again, each column one thread's. */
+ * it is in L2: torch's column sum read all of grad again from memory, 1.02-1.06 ms for the tiny model's
+ * q-k-v product (8304 x 256) with the cache cold, where the sum here adds 0.13-0.24 ms. Rows in order
+ * again, each column one thread's. */
 int hr_weight_grad(const float *g, int64_t gs, const float *x, int64_t xs, int64_t m, int64_t out, int64_t in,
                    float *c, float *bias, int nthreads) {
     if (in % 16 || out <= 0 || in <= 0) return -1;
