@@ -22,7 +22,8 @@ The same library holds the loss's token log-probs (``token_logprob`` and its bac
 ``TrainEngine`` uses for fp32 CPU logits: log_softmax(logits)[target] without making the whole
 log_softmax tensor, and its gradient in one pass; ``transposed``, the transposed copies the
 weight gradients' inner products read (``hybridrl.utils.cpu_matmul``), and ``weight_grad``, which
-computes the small ones without such a copy; and the SwiGLU of gated MLPs,
+computes the small ones without such a copy; ``linear``, the training products of many rows (also
+``hybridrl.utils.cpu_matmul``); and the SwiGLU of gated MLPs,
 ``silu(gate) * up`` and its two gradients in one pass each, and RMSNorm forward and backward
 (``hybridrl.engine.cpu_layers``).
 ``HYBRIDRL_CPU_ATTENTION=0`` turns all of them off.
