@@ -778,25 +778,31 @@ void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float 
 #endif
 #define WG_OPERANDS (64 * 1024) /* floats of both operands' rows in a chunk: 256 rows at 128 x 128 */
 
-/* c (rows x nv vectors, row stride ldc) = (first ? 0 : c) + sum_{k < m} g[k][0..rows) (x) x[k][0..16 nv);
- * rows <= WG_MR, nv <= WG_NV; inlined with constants for whole tiles. */
-static inline __attribute__((always_inline)) void wg_tile(const float *g, int64_t gs, const float *x, int64_t xs,
-                                                           int64_t m, float *c, int64_t ldc, int rows, int nv,
-                                                           int first) {
-    hv a[WG_MR][WG_NV];
-    for (int r = 0; r < WG_MR; r++)
-        for (int v = 0; v < nv; v++) a[r][v] = first || r >= rows ? hv_zero() : hv_loadu(c + r * ldc + 16 * v);
-    for (int64_t k = 0; k < m; k++) {
-        const float *gk = g + k * gs, *xk = x + k * xs;
-        hv xv[WG_NV];
-        for (int v = 0; v < nv; v++) xv[v] = hv_loadu(xk + 16 * v);
-        for (int r = 0; r < WG_MR; r++) {
-            hv b = hv_set1(gk[r < rows ? r : 0]);
-            for (int v = 0; v < nv; v++) a[r][v] = hv_fmadd(b, xv[v], a[r][v]);
+/* The register tile both products below run: c (rows x nv vectors, row stride ldc) = (acc ? c : 0)
+ * + sum_{k < n} a[k ka + r ra] (x) b[k kb + 16 v ..], plus add[16 v ..] as it is stored (NULL: none);
+ * rows <= MR <= TILE_MAX_MR, nv <= TILE_MAX_NV, inlined with MR constant (whole tiles: rows and nv too). The weight
+ * gradient broadcasts grad's values along a row (ra 1) and sums over rows; the linear product
+ * broadcasts x's down its rows (ka 1) and sums along them. */
+#define TILE_MAX_MR 8
+#define TILE_MAX_NV 4
+static inline __attribute__((always_inline)) void outer_tile(const float *a, int64_t ka, int64_t ra, const float *b,
+                                                              int64_t kb, int64_t n, float *c, int64_t ldc,
+                                                              const float *add, int rows, int nv, int acc,
+                                                              const int MR) {
+    hv s[TILE_MAX_MR][TILE_MAX_NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < nv; v++) s[r][v] = !acc || r >= rows ? hv_zero() : hv_loadu(c + r * ldc + 16 * v);
+    for (int64_t k = 0; k < n; k++) {
+        hv bv[TILE_MAX_NV];
+        for (int v = 0; v < nv; v++) bv[v] = hv_loadu(b + k * kb + 16 * v);
+        for (int r = 0; r < MR; r++) {
+            hv x = hv_set1(a[k * ka + (r < rows ? r : 0) * ra]);
+            for (int v = 0; v < nv; v++) s[r][v] = hv_fmadd(x, bv[v], s[r][v]);
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < nv; v++) hv_storeu(c + r * ldc + 16 * v, a[r][v]);
+        for (int v = 0; v < nv; v++)
+            hv_storeu(c + r * ldc + 16 * v, add ? hv_add(s[r][v], hv_loadu(add + 16 * v)) : s[r][v]);
 }
 
 /* c (out, in) contiguous = grad^T x as above; -1 (nothing written) unless in is a multiple of 16.
@@ -829,11 +835,11 @@ int hr_weight_grad(const float *g, int64_t gs, const float *x, int64_t xs, int64
                 int rows = out - o < WG_MR ? (int)(out - o) : WG_MR;
                 float *tile_out = c + o * in + i;
                 if (i + W <= in && rows == WG_MR)
-                    wg_tile(gk + o, gs, xk + i, xs, rows_k, tile_out, in, WG_MR, WG_NV, k0 == 0);
+                    outer_tile(gk + o, gs, 1, xk + i, xs, rows_k, tile_out, in, NULL, WG_MR, WG_NV, k0 > 0, WG_MR);
                 else if (i + W <= in)
-                    wg_tile(gk + o, gs, xk + i, xs, rows_k, tile_out, in, rows, WG_NV, k0 == 0);
+                    outer_tile(gk + o, gs, 1, xk + i, xs, rows_k, tile_out, in, NULL, rows, WG_NV, k0 > 0, WG_MR);
                 else /* a last 16 columns (AVX-512) */
-                    wg_tile(gk + o, gs, xk + i, xs, rows_k, tile_out, in, rows, 1, k0 == 0);
+                    outer_tile(gk + o, gs, 1, xk + i, xs, rows_k, tile_out, in, NULL, rows, 1, k0 > 0, WG_MR);
             }
         if (bias) {
 #pragma omp for schedule(static)
@@ -868,25 +874,6 @@ int hr_weight_grad(const float *g, int64_t gs, const float *x, int64_t xs, int64
 #endif
 #define LN_W (16 * LN_NV)
 
-static inline __attribute__((always_inline)) void ln_tile(const float *x, int64_t xs, const float *pw, int64_t in,
-                                                           const float *bias, float *y, int64_t ys, int rows,
-                                                           int nv) {
-    hv a[LN_MR][LN_NV];
-    for (int r = 0; r < LN_MR; r++)
-        for (int v = 0; v < LN_NV; v++) a[r][v] = hv_zero();
-    for (int64_t i = 0; i < in; i++) {
-        hv b[LN_NV];
-        for (int v = 0; v < nv; v++) b[v] = hv_loadu(pw + i * LN_W + 16 * v);
-        for (int r = 0; r < LN_MR; r++) {
-            hv xv = hv_set1(x[(r < rows ? r : 0) * xs + i]);
-            for (int v = 0; v < nv; v++) a[r][v] = hv_fmadd(xv, b[v], a[r][v]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < nv; v++)
-            hv_storeu(y + r * ys + 16 * v, bias ? hv_add(a[r][v], hv_loadu(bias + 16 * v)) : a[r][v]);
-}
-
 /* y (m, out) contiguous = x w^T (+ bias, out floats, or NULL): x rows xs apart, w[o][i] at
  * w + o * wso + i * wsi (any layout); -1 (nothing written) unless out is a multiple of 16, -2 when
  * memory for the panels could not be allocated. */
@@ -913,9 +900,9 @@ int hr_linear(const float *x, int64_t xs, int64_t m, int64_t in, const float *w,
                 float *yp = y + r0 * out + p * LN_W;
                 int nv = out - p * LN_W < LN_W ? (int)((out - p * LN_W) / 16) : LN_NV;
                 if (rows == LN_MR && nv == LN_NV)
-                    ln_tile(x + r0 * xs, xs, panel, in, bp, yp, out, LN_MR, LN_NV);
+                    outer_tile(x + r0 * xs, 1, xs, panel, LN_W, in, yp, out, bp, LN_MR, LN_NV, 0, LN_MR);
                 else
-                    ln_tile(x + r0 * xs, xs, panel, in, bp, yp, out, rows, nv);
+                    outer_tile(x + r0 * xs, 1, xs, panel, LN_W, in, yp, out, bp, rows, nv, 0, LN_MR);
             }
         }
     }
