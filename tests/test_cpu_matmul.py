@@ -101,11 +101,14 @@ def test_weight_gradients_take_hybridrls_kernel_where_it_applies(bias, monkeypat
             _close(grad_b, grad.double().sum(0).float())
 
 
-def test_training_products_take_hybridrls_kernel_where_it_applies(monkeypatch):
+@pytest.mark.parametrize("kernels", ["hybridrl", "onednn"])
+def test_training_products_take_hybridrls_kernel_where_it_applies(monkeypatch, kernels):
     """The forward and input-gradient products of ``OneDNNLinear`` go to ``cpu_attention.linear`` at the
-    shapes it takes (an AVX-512 build) and to oneDNN otherwise, the same numbers to float rounding."""
+    shapes it takes (an AVX-512 build) where ``kernels_backend`` keeps hybridrl's kernels, and to oneDNN
+    otherwise, the same numbers to float rounding."""
     from hybridrl.engine import cpu_attention
 
+    monkeypatch.setattr(cpu_matmul, "_kernels_choice", kernels)
     calls = []
     real = cpu_attention.linear
     monkeypatch.setattr(cpu_attention, "linear", lambda x, w, b=None: calls.append(tuple(x.shape)) or real(x, w, b))
@@ -116,11 +119,73 @@ def test_training_products_take_hybridrls_kernel_where_it_applies(monkeypatch):
         calls.clear()
         y = cpu_matmul._linear_op(x, weight, bias)
         grad_x = cpu_matmul._input_grad_op(grad, weight)
-        fast = rows >= cpu_attention.LINEAR_MIN_ROWS and cpu_attention.simd_width() == 512
+        fast = rows >= cpu_attention.LINEAR_MIN_ROWS and cpu_attention.simd_width() == 512 and kernels == "hybridrl"
         # the forward (out wide) and the input gradient (inner wide) where their outputs are multiples of 16
         assert calls == [shape for shape, width in (((rows, inner), out), ((rows, out), inner)) if fast and width % 16 == 0]
         _close(y, torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float())
         _close(grad_x, (grad.double() @ weight.double()).float())
+
+
+@pytest.mark.parametrize("kernels", ["hybridrl", "onednn"])
+def test_weight_gradients_take_hybridrls_kernel_where_kept(monkeypatch, kernels):
+    """``_weight_grad_op`` on the oneDNN side runs ``cpu_attention.weight_grad`` where it takes the operands
+    and ``kernels_backend`` keeps hybridrl's kernels, else the oneDNN plan: the same numbers either way."""
+    from hybridrl.engine import cpu_attention
+
+    monkeypatch.setattr(cpu_matmul, "_kernels_choice", kernels)
+    monkeypatch.setattr(cpu_matmul, "_weight_grad_choice", "onednn")
+    calls = []
+    real = cpu_attention.weight_grad
+    monkeypatch.setattr(cpu_attention, "weight_grad", lambda g, x, b=False: calls.append(tuple(g.shape)) or real(g, x, b))
+    gen = torch.Generator().manual_seed(3)
+    grad, x, weight = (torch.randn(*s, generator=gen) for s in ((300, 48), (300, 64), (48, 64)))
+    grad_w, grad_b = cpu_matmul._weight_grad_op(grad, x, weight, True)
+    assert calls == ([(300, 48)] if cpu_attention.simd_width() == 512 and kernels == "hybridrl" else [])
+    _close(grad_w, (grad.double().t() @ x.double()).float())
+    _close(grad_b, grad.double().sum(0).float())
+
+
+def test_kernel_calibration_takes_onednn_only_when_clearly_faster(monkeypatch):
+    """The per-machine timing's rule, with the two sides' times given (oneDNN's timed first): oneDNN
+    at KERNEL_MIN_SPEEDUP or more faster wins, a smaller lead or a loss keeps hybridrl's kernels, and
+    every timed call follows a write over the cache (cold operands, as in an update)."""
+    from hybridrl.engine import cpu_attention
+
+    if not cpu_attention.simd_width() == 512:
+        assert cpu_matmul._calibrate_kernels() == "hybridrl"  # nothing to choose: no timing
+        return
+    real_zeros = torch.zeros
+    monkeypatch.setattr(cpu_matmul, "_last_level_cache_bytes", lambda: 1 << 20)
+    for dnn_s, ours_s, want in ((1.0, 2.0, "onednn"), (1.0, cpu_matmul.KERNEL_MIN_SPEEDUP, "onednn"),
+                                (1.0, 1.2, "hybridrl"), (2.0, 1.0, "hybridrl")):
+        times, timed, flushes = iter([dnn_s, ours_s] * cpu_matmul.KERNEL_REPS), [], []
+        monkeypatch.setattr(cpu_matmul, "_seconds", lambda fn, times=times, timed=timed: (
+            timed.append(fn), fn(), next(times))[2])
+        monkeypatch.setattr(torch, "zeros", lambda *a, flushes=flushes, **k: flushes.append(real_zeros(*a, **k)) or flushes[-1])
+        assert cpu_matmul._calibrate_kernels() == want
+        assert len(timed) == 2 * cpu_matmul.KERNEL_REPS and [f.numel() for f in flushes] == [(2 << 20) // 4]
+        assert float(flushes[0].min()) == float(flushes[0].max()) == len(timed)  # written before each timed call
+
+
+def _kernels_in_subprocess(value: str, fail_timing: bool = False) -> subprocess.CompletedProcess:
+    code = "from hybridrl.utils import cpu_matmul\n"
+    if fail_timing:
+        code += "def timed(*a, **k): raise AssertionError('timed a product')\ncpu_matmul._clearly_faster = timed\n"
+    code += "print(cpu_matmul.kernels_backend())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, cpu_matmul.KERNELS_ENV: value}, timeout=120)
+
+
+@pytest.mark.parametrize("value", ["hybridrl", "onednn", "auto", "blas"])
+def test_kernels_backend_choice(value):
+    """``HYBRIDRL_CPU_MATMUL_KERNELS`` forces the choice without timing; ``auto`` times it (either may
+    win, by the machine); another value fails, naming the variable."""
+    result = _kernels_in_subprocess(value, fail_timing=value != "auto")
+    if value == "blas":
+        assert result.returncode != 0 and "HYBRIDRL_CPU_MATMUL_KERNELS='blas'" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == value if value != "auto" else result.stdout.strip() in ("hybridrl", "onednn")
 
 
 def test_weight_gradient_plans_of_the_benchmark_shapes():
@@ -237,6 +302,7 @@ def test_weight_gradient_calibration_takes_mkl_only_when_clearly_faster(monkeypa
         times = iter([mkl_s, dnn_s] * 3)
         monkeypatch.setattr(cpu_matmul, "_seconds", lambda fn, times=times: (fn(), next(times))[1])
         monkeypatch.setattr(cpu_matmul, "WEIGHT_GRAD_CALIBRATION_SHAPE", (32, 64, 16))
+        monkeypatch.setattr(cpu_matmul, "_kernels_choice", "hybridrl")  # no timing of its own here
         assert cpu_matmul._calibrate_weight_grad() == want
 
 
@@ -261,8 +327,13 @@ def test_pinned_choices_make_another_process_take_the_same_without_timing(monkey
     takes as they are, whichever of the four combinations they are."""
     monkeypatch.delenv(cpu_matmul.ENV, raising=False)
     monkeypatch.delenv(cpu_matmul.WEIGHT_GRAD_ENV, raising=False)
+    monkeypatch.delenv(cpu_matmul.KERNELS_ENV, raising=False)
     pinned = cpu_matmul.pinned_choices()
-    assert pinned == {cpu_matmul.ENV: cpu_matmul.backend(), cpu_matmul.WEIGHT_GRAD_ENV: cpu_matmul.weight_grad_backend()}
+    assert pinned == {cpu_matmul.ENV: cpu_matmul.backend(), cpu_matmul.WEIGHT_GRAD_ENV: cpu_matmul.weight_grad_backend(),
+                      cpu_matmul.KERNELS_ENV: cpu_matmul.kernels_backend()}
+    for kernels in ("hybridrl", "onednn"):
+        result = _kernels_in_subprocess(kernels, fail_timing=True)
+        assert result.returncode == 0 and result.stdout.strip() == kernels, result.stderr
     for forward in ("mkl", "onednn"):
         for grads in ("mkl", "onednn"):
             result = _choices_in_subprocess({cpu_matmul.ENV: forward, cpu_matmul.WEIGHT_GRAD_ENV: grads})

@@ -31,7 +31,8 @@ chosen:
   chosen above; on the oneDNN side, on an AVX-512 machine, weight gradients of up to 128 K outputs
   run on hybridrl's own kernel, ``cpu_attention.weight_grad``, which needs no transposed copy, and
   forward and input-gradient products of at least 1024 rows with up to 2 M weights on
-  ``cpu_attention.linear``, faster than oneDNN's with their operands cold), all opaque to
+  ``cpu_attention.linear``, faster than oneDNN's with their operands cold on a Zen 4; both kernels
+  only where ``kernels_backend()``, timed per machine like the rest, keeps them), all opaque to
   ``torch.compile``; the training engine applies it;
 - ``linear(x, weight, bias)`` is the inference-only product the rollout's decoder uses for prefill
   and for decode steps too large for its own kernel.
@@ -48,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "fp32_cpu", "linear", "onednn_available", "pinned_choices",
-           "use_onednn_linears", "uses_onednn", "input_grad_backend", "weight_grad_backend"]
+__all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "fp32_cpu", "kernels_backend", "linear", "onednn_available",
+           "pinned_choices", "use_onednn_linears", "uses_onednn", "input_grad_backend", "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto keeps MKL only when it is at least this much faster than oneDNN
@@ -110,15 +111,28 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def _faster(mkl, dnn, min_speedup: float, reps: int) -> str:
-    """"mkl" if ``mkl()`` runs at least ``min_speedup`` faster than ``dnn()``, else "onednn". The two
+def _clearly_faster(challenger, incumbent, min_speedup: float, reps: int, before=None) -> bool:
+    """Whether ``challenger()`` runs at least ``min_speedup`` faster than ``incumbent()``. The two
     alternate and each keeps its best time, so a busy moment of the machine (other ranks starting up
-    beside this one) falls on both."""
-    mkl(), dnn()
-    mkl_s = dnn_s = float("inf")
+    beside this one) falls on both; ``before()``, where given, runs ahead of each timed call, untimed."""
+    challenger(), incumbent()
+    challenger_s = incumbent_s = float("inf")
     for _ in range(reps):
-        mkl_s, dnn_s = min(mkl_s, _seconds(mkl)), min(dnn_s, _seconds(dnn))
-    return "mkl" if mkl_s * min_speedup <= dnn_s else "onednn"
+        for fn, is_challenger in ((challenger, True), (incumbent, False)):
+            if before is not None:
+                before()
+            seconds = _seconds(fn)
+            if is_challenger:
+                challenger_s = min(challenger_s, seconds)
+            else:
+                incumbent_s = min(incumbent_s, seconds)
+    return challenger_s * min_speedup <= incumbent_s
+
+
+def _faster(mkl, dnn, min_speedup: float, reps: int) -> str:
+    """"mkl" if ``mkl()`` runs at least ``min_speedup`` faster than ``dnn()``, else "onednn"
+    (``_clearly_faster``)."""
+    return "mkl" if _clearly_faster(mkl, dnn, min_speedup, reps) else "onednn"
 
 
 def _randn(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -183,12 +197,91 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 OP_VERSION = 3
 
 
-def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (m, in) @ weight (out, in)^T + bias on the oneDNN side of a training product: hybridrl's kernel
-    where it applies (``cpu_attention.linear``; the rates in cpu_attention.c), else oneDNN's."""
+# hybridrl's own training products (``cpu_attention.linear`` for forward and input-gradient products,
+# ``cpu_attention.weight_grad`` for weight gradients, AVX-512 builds, the shapes their ``*_usable``
+# take) were written for and measured on a Zen 4, whose AVX-512 runs on 256-bit units: there they
+# beat oneDNN's products with their operands cold, as an update leaves them. A CPU with full-width
+# AVX-512 has twice the multiply-add rate per core (a Zen 5 ran oneDNN's products at 250-260 GFLOP/s
+# a thread), which simple register tiles may not reach. So the choice is timed per machine
+# (``kernels_backend``): both kernels against oneDNN's products at KERNEL_LINEAR_SHAPE and
+# KERNEL_WEIGHT_GRAD_SHAPE, each call after a write over twice the last-level cache (an update's
+# products read what the op before them left in memory), best of KERNEL_REPS alternating; oneDNN's
+# only where it is at least KERNEL_MIN_SPEEDUP faster. On the Zen 4 oneDNN's time over hybridrl's
+# for the two products together read 1.05-1.11 on one thread and 1.00-1.12 on two (three processes
+# each), well short of the threshold, and a near tie keeps hybridrl's kernels from one process to the
+# next (products that round differently would give a resumed run other numbers). It costs about
+# 0.23 s once per training process, where the kernels apply; a CPU run times it in the driver and
+# pins it for every rank (``pinned_choices``).
+KERNELS_ENV = "HYBRIDRL_CPU_MATMUL_KERNELS"
+KERNEL_CHOICES = ("auto", "hybridrl", "onednn")
+KERNEL_LINEAR_SHAPE = (2048, 512, 512)  # rows, in, out
+KERNEL_WEIGHT_GRAD_SHAPE = (4096, 256, 256)  # rows, in, out (at most WEIGHT_GRAD_MAX_OUTPUTS outputs)
+KERNEL_MIN_SPEEDUP = 1.25
+KERNEL_REPS = 3
+_kernels_choice: str | None = None
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache this machine reports (sysfs), else ``default``."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in os.listdir(root):
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        pass
+    return max(sizes, default=default)
+
+
+def _calibrate_kernels(reps: int = KERNEL_REPS) -> str:
+    """"onednn" if oneDNN's products run at least KERNEL_MIN_SPEEDUP faster than hybridrl's kernels at
+    the calibration shapes with cold operands, else "hybridrl"; "hybridrl" without timing where the
+    kernels take no product here (no AVX-512 build, no oneDNN), since then there is nothing to choose."""
     from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
 
-    if cpu_attention.linear_usable(x, weight):
+    rows, k, out = KERNEL_LINEAR_SHAPE
+    g_rows, g_in, g_out = KERNEL_WEIGHT_GRAD_SHAPE
+    x, weight, gx, grad = _randn((rows, k), (out, k), (g_rows, g_in), (g_rows, g_out))
+    if not (onednn_available() and cpu_attention.linear_usable(x, weight)
+            and cpu_attention.weight_grad_usable(grad, gx)):
+        return "hybridrl"
+    flush = torch.zeros(min(2 * _last_level_cache_bytes(), 1 << 30) // 4)
+
+    def ours():
+        cpu_attention.linear(x, weight)
+        cpu_attention.weight_grad(grad, gx)
+
+    def theirs():
+        _onednn(x, weight, None)
+        _onednn_weight_grad(grad, gx)
+
+    clearly = _clearly_faster(theirs, ours, KERNEL_MIN_SPEEDUP, reps, before=lambda: flush.add_(1.0))
+    return "onednn" if clearly else "hybridrl"
+
+
+def kernels_backend() -> str:
+    """"hybridrl" or "onednn": whether the training products that hybridrl's kernels take run on them
+    in this process (see above). ``HYBRIDRL_CPU_MATMUL_KERNELS=hybridrl`` or ``onednn`` forces it;
+    ``auto`` (the default) times the two once, on first use."""
+    global _kernels_choice
+    if _kernels_choice is None:
+        wanted = os.environ.get(KERNELS_ENV, "auto").strip().lower()
+        if wanted not in KERNEL_CHOICES:
+            raise ValueError(f"{KERNELS_ENV}={wanted!r}; allowed: {KERNEL_CHOICES}")
+        _kernels_choice = _calibrate_kernels() if wanted == "auto" else wanted
+    return _kernels_choice
+
+
+def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (m, in) @ weight (out, in)^T + bias on the oneDNN side of a training product: hybridrl's kernel
+    where it applies (``cpu_attention.linear``; the rates in cpu_attention.c) and ``kernels_backend``
+    keeps it, else oneDNN's."""
+    from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
+
+    if cpu_attention.linear_usable(x, weight) and kernels_backend() == "hybridrl":
         return cpu_attention.linear(x, weight, bias)
     return _onednn(x, weight, bias)
 
@@ -261,10 +354,11 @@ def _native_weight_grad(grad: torch.Tensor, x: torch.Tensor,
                         with_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(grad^T x, and with ``with_bias`` grad summed over rows, else None): by hybridrl's kernel where it
     applies (``cpu_attention.weight_grad``: both operands read in place, no transposed copy, the bias's
-    sum from the same pass; the rates in cpu_attention.c), else ``_onednn_weight_grad`` and torch's sum."""
+    sum from the same pass; the rates in cpu_attention.c) where ``kernels_backend`` keeps it, else
+    ``_onednn_weight_grad`` and torch's sum."""
     from hybridrl.engine import cpu_attention
 
-    if cpu_attention.weight_grad_usable(grad, x):
+    if cpu_attention.weight_grad_usable(grad, x) and kernels_backend() == "hybridrl":
         return cpu_attention.weight_grad(grad, x, with_bias)
     return _onednn_weight_grad(grad, x), grad.sum(0) if with_bias else None
 
@@ -294,14 +388,15 @@ def weight_grad_backend() -> str:
 
 
 def pinned_choices() -> dict[str, str]:
-    """This process's choices (``backend()`` and ``weight_grad_backend()``, timed here where they are
-    "auto") as the environment that makes another process take the same ones without timing. A CPU
+    """This process's choices (``backend()``, ``weight_grad_backend()`` and ``kernels_backend()``, timed
+    here where they are "auto") as the environment that makes another process take the same ones
+    without timing. A CPU
     worker group exports it into every rank (``hybridrl.trainer.workers``): each rank timing for itself
     could choose differently in a busy moment, and ranks or runs whose products round differently
     no longer give the same numbers (on a Zen 1 the two backends' weight gradients put a two-rank PPO
     run's second-step pg_loss 2e-4 of itself apart, and a CI run whose value matched neither was 3e-4
     off; with the same choices, sharded and replicated runs agreed to 4e-6)."""
-    return {ENV: backend(), WEIGHT_GRAD_ENV: weight_grad_backend()}
+    return {ENV: backend(), WEIGHT_GRAD_ENV: weight_grad_backend(), KERNELS_ENV: kernels_backend()}
 
 
 def weight_grad_plan(out: int, inner: int) -> str:
