@@ -548,14 +548,15 @@ int hr_dense_supported(void) { return 1; }
 
 #if HR_SIMD == 512
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
- * in registers from zero, then added to acc (24 vectors; set when `first`): blocked summation, whose
- * rounding error grows with the chunk length + k / chunk length rather than with k. Every 4 k steps
- * it issues up to `per4` of the `lines` prefetches of the next chunk at `pf` (*done counts those
- * issued so far). */
-static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
-                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
-    (void)vecs; /* every vector: the AVX2 tile below skips a last panel's empty ones */
-    __m512 a[3 * HR_MR];
+ * in registers from zero, then added to acc (rows 48 floats apart; set when `first`): blocked
+ * summation, whose rounding error grows with the chunk length + k / chunk length rather than with
+ * k. Only the first `nv` 16-column vectors are computed (all 3, fewer in a matrix's last panel: the
+ * rest of acc is left as it is and never stored out). Every 4 k steps it issues up to `per4` of the
+ * `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
+static inline __attribute__((always_inline)) void hr_tile512(const float *const *x, int64_t kc, const float *w,
+        int64_t len, float *acc, int first, const char *pf, int64_t lines, int64_t per4, int64_t *done,
+        const int nv, int l2) {
+    __m512 a[3 * HR_MR], wv[3];
     for (int i = 0; i < 3 * HR_MR; i++) a[i] = _mm512_setzero_ps();
     const float *x0 = x[0] + kc, *x1 = x[1] + kc, *x2 = x[2] + kc, *x3 = x[3] + kc;
     const float *x4 = x[4] + kc, *x5 = x[5] + kc, *x6 = x[6] + kc, *x7 = x[7] + kc;
@@ -564,20 +565,37 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         if ((kk & 3) == 0)
             for (int64_t i = 0; i < per4 && issued < lines; i++, issued++) HR_PREFETCH_CHUNK(pf + issued * 64, l2);
         const float *wk = w + kk * HR_NR;
-        __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) wv[v] = _mm512_loadu_ps(wk + 16 * v);
         __m512 b;
-#define HR_ROW(r, xr)                                          \
-        b = _mm512_set1_ps(xr[kk]);                            \
-        a[3 * r] = _mm512_fmadd_ps(b, w0, a[3 * r]);           \
-        a[3 * r + 1] = _mm512_fmadd_ps(b, w1, a[3 * r + 1]);   \
-        a[3 * r + 2] = _mm512_fmadd_ps(b, w2, a[3 * r + 2]);
+#define HR_ROW(r, xr)                                                  \
+        b = _mm512_set1_ps(xr[kk]);                                    \
+        for (int v = 0; v < nv; v++) a[3 * r + v] = _mm512_fmadd_ps(b, wv[v], a[3 * r + v]);
         HR_ROW(0, x0) HR_ROW(1, x1) HR_ROW(2, x2) HR_ROW(3, x3)
         HR_ROW(4, x4) HR_ROW(5, x5) HR_ROW(6, x6) HR_ROW(7, x7)
 #undef HR_ROW
     }
     *done = issued;
-    for (int i = 0; i < 3 * HR_MR; i++)
-        _mm512_store_ps(acc + 16 * i, first ? a[i] : _mm512_add_ps(_mm512_load_ps(acc + 16 * i), a[i]));
+    for (int r = 0; r < HR_MR; r++)
+        for (int v = 0; v < nv; v++) {
+            float *p = acc + r * HR_NR + 16 * v;
+            _mm512_store_ps(p, first ? a[3 * r + v] : _mm512_add_ps(_mm512_load_ps(p), a[3 * r + v]));
+        }
+}
+
+/* `vecs`: the panel's 8-column vectors that hold real columns (6, fewer only in a matrix's last
+ * panel), so ceil(vecs / 2) 16-column ones. A last panel's empty vectors are not multiplied: the tiny
+ * model's 256-column q-k-v product has 16 of its last panel's 48 columns, its 128-column ones 32 (at
+ * 128 rows, one thread, a Zen 4: q-k-v 87, o 82, down 89 GFLOP/s counting only the real columns,
+ * where the 768-column gate-up, with no empty vectors, ran at 99). */
+static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
+                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
+    if (vecs > 4)
+        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 3, l2);
+    else if (vecs > 2)
+        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 2, l2);
+    else
+        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 1, l2);
 }
 #else
 /* One pass of the AVX2 tile below: `rows` rows x the first `vecs` 8-column vectors of the chunk `w`
