@@ -592,8 +592,9 @@ static inline __attribute__((always_inline)) void hr_tile512(const float *const 
 /* `vecs`: the panel's 8-column vectors that hold real columns (6, fewer only in a matrix's last
  * panel), so ceil(vecs / 2) 16-column ones. A last panel's empty vectors are not multiplied: the tiny
  * model's 256-column q-k-v product has 16 of its last panel's 48 columns, its 128-column ones 32 (at
- * 128 rows, one thread, a Zen 4: q-k-v 87, o 82, down 89 GFLOP/s counting only the real columns,
- * where the 768-column gate-up, with no empty vectors, ran at 99). */
+ * 128 rows, one thread, a Zen 4, GFLOP/s counting only the real columns, multiplying the empty
+ * vectors / not: q-k-v 86-87 / 94-95, o 82-84 / 90-93, down 89-90 / 91-100; the 768-column
+ * gate-up, with no empty vectors, 99 either way). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
                            const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
     if (vecs > 4)
