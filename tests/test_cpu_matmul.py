@@ -86,6 +86,7 @@ def test_weight_gradients_take_hybridrls_kernel_where_it_applies(bias, monkeypat
     from hybridrl.engine import cpu_attention
 
     monkeypatch.setattr(cpu_matmul, "_weight_grad_choice", "onednn")
+    monkeypatch.setattr(cpu_matmul, "_kernels_choice", "hybridrl")  # where the kernels are kept, not timed here
     calls = []
     real = cpu_attention.weight_grad
     monkeypatch.setattr(cpu_attention, "weight_grad",

@@ -115,17 +115,16 @@ def _clearly_faster(challenger, incumbent, min_speedup: float, reps: int, before
     """Whether ``challenger()`` runs at least ``min_speedup`` faster than ``incumbent()``. The two
     alternate and each keeps its best time, so a busy moment of the machine (other ranks starting up
     beside this one) falls on both; ``before()``, where given, runs ahead of each timed call, untimed."""
+    def timed(fn) -> float:
+        if before is not None:
+            before()
+        return _seconds(fn)
+
     challenger(), incumbent()
     challenger_s = incumbent_s = float("inf")
     for _ in range(reps):
-        for fn, is_challenger in ((challenger, True), (incumbent, False)):
-            if before is not None:
-                before()
-            seconds = _seconds(fn)
-            if is_challenger:
-                challenger_s = min(challenger_s, seconds)
-            else:
-                incumbent_s = min(incumbent_s, seconds)
+        challenger_s = min(challenger_s, timed(challenger))
+        incumbent_s = min(incumbent_s, timed(incumbent))
     return challenger_s * min_speedup <= incumbent_s
 
 
@@ -242,11 +241,12 @@ def _calibrate_kernels(reps: int = KERNEL_REPS) -> str:
     kernels take no product here (no AVX-512 build, no oneDNN), since then there is nothing to choose."""
     from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
 
+    if not (onednn_available() and cpu_attention.simd_width() == 512):  # before making any operand
+        return "hybridrl"
     rows, k, out = KERNEL_LINEAR_SHAPE
     g_rows, g_in, g_out = KERNEL_WEIGHT_GRAD_SHAPE
     x, weight, gx, grad = _randn((rows, k), (out, k), (g_rows, g_in), (g_rows, g_out))
-    if not (onednn_available() and cpu_attention.linear_usable(x, weight)
-            and cpu_attention.weight_grad_usable(grad, gx)):
+    if not (cpu_attention.linear_usable(x, weight) and cpu_attention.weight_grad_usable(grad, gx)):
         return "hybridrl"
     flush = torch.zeros(min(2 * _last_level_cache_bytes(), 1 << 30) // 4)
 
