@@ -86,6 +86,7 @@ BENCH_THREADS ?= 1
 bench: smollm2
 	$(VPY) -m pip install -q 'trl==1.16.0'
 	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5 --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5 --backend ray --workers 2 --threads 1 --trl-threads 2 --tag _cores2
 	$(VPY) benchmarks/grpo_bench.py --case 25m --reps 2 --steps 4 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case smollm2 --reps 2 --steps 4 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 8 --no-trl --backend ray --workers 1 --tag _ray1 --threads $(BENCH_THREADS)

@@ -27,6 +27,7 @@ times B, for both frameworks, so the throughput ratio is the step-time ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -252,7 +253,8 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
         hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
                             args.compile == "on", tuple(args.override))[args.warmup:]
         if not args.no_trl:
-            trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
+            with threads_for(trl_threads(args)):
+                trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
     machine = machine_during(samples)
@@ -263,6 +265,7 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
                   case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
                   tokens_per_step=tokens, floor_s=floor["total_s"], floor_ranks=floor["ranks"],
                   floor_peak_flops=floor["peak_flops"], overrides=args.override, backend=args.backend, workers=args.workers,
+                  threads=args.threads, trl_threads=None if args.no_trl else trl_threads(args),
                   hybridrl_compile=args.compile == "on", trl_compile=args.trl_compile == "on")
     return result
 
@@ -288,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result file")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")
+    parser.add_argument("--trl-threads", type=int, default=0,
+                        help="torch threads for TRL alone (0: --threads); with --backend ray --workers 2 --threads 1 "
+                             "and --trl-threads 2, each framework uses two cores its own way")
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/hybridrl/bench"))
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
@@ -316,6 +322,26 @@ def set_threads(threads: int) -> None:
     OMP_NUM_THREADS) and the matmul-rate measurement, so the floor is the one both run against."""
     os.environ["HYBRIDRL_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+
+def trl_threads(args) -> int:
+    return args.trl_threads or args.threads
+
+
+@contextlib.contextmanager
+def threads_for(threads: int):
+    """TRL's run at ``threads`` torch threads (``--trl-threads``), then back to the driver's count."""
+    before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        if before[1] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before[1]
 
 
 def versions() -> dict[str, str]:

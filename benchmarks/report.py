@@ -28,6 +28,7 @@ KNOWN_BEFORE_CPU = {"zen5": "AMD EPYC Zen 5, AVX-512, 2 CPUs (per docs/performan
 COMMANDS = """```
 make bench                                                     # everything below, then this file
 python benchmarks/grpo_bench.py --case tiny --reps 3 --steps 5   # one e2e case, both ref settings
+python benchmarks/grpo_bench.py --case tiny --backend ray --workers 2 --threads 1 --trl-threads 2 --tag _cores2   # both cores each
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --tag _ray2
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --n 64 --tag _ray2_n64
 python benchmarks/grpo_bench.py --case quickstart --ref on --backend ray --workers 2 --no-trl --tag _ray2
@@ -118,17 +119,28 @@ def run_range(row: dict) -> str:
     return f"{low}x" if low == high else f"{low}-{high}x"
 
 
+def cores(row: dict) -> str:
+    """How each framework used the cores: "2 x 1 / 2" is two hybridrl ranks of one thread each against
+    TRL with two threads (rows from before ``--trl-threads`` ran both at the file's thread count)."""
+    threads = row.get("threads", row["record"]["threads"])
+    ranks = row["workers"] if row.get("backend") == "ray" else 1
+    trl = row.get("trl_threads", threads) if "trl_step_s" in row else None
+    return f"{ranks} x {threads} / {'-' if trl is None else trl}"
+
+
 def e2e_table(rows: list[dict]) -> str:
-    lines = ["| case | model params | ref | compiled (hybridrl / TRL) | B x (p + R) tokens | hybridrl step s | TRL step s "
+    lines = ["| case | model params | ref | compiled (hybridrl / TRL) | cores: ranks x threads (hybridrl) / threads (TRL) "
+             "| B x (p + R) tokens | hybridrl step s | TRL step s "
              "| hybridrl tok/s | TRL tok/s | speedup | speedup of each run | matmul GFLOP/s (ranks) | floor s "
              "| hybridrl % of floor | TRL % of floor | runs | slowest / median step (hybridrl / TRL) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, has_trl = r["case"], "trl_step_s" in r
         trl = [fmt(r, "trl_step_s", "{:.2f}"), fmt(r, "trl_tok_s", "{:.0f}"), fmt(r, "speedup", "{:.2f}x")]
         each = ", ".join(f"{x:.2f}x" for x in run_speedups(r)) or "-"
         lines.append(
             f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
+            f"{cores(r)} | "
             f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
             f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {each} | {peak_text(r)} | "
             f"{r['floor_s']:.3f} | "

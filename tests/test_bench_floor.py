@@ -1,5 +1,6 @@
 """benchmarks/floor.py: the floor of a step split over ranks that run at once (issue 10)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -199,3 +200,20 @@ def test_a_row_is_held_to_the_machine_s_rates_during_its_runs():
     assert grpo_bench.machine_during(samples[:2]).peak_flops == pytest.approx(39.8e9)
     two_ranks = [Machine(36.5e9, 12e9, "cpu", 2), Machine(37.1e9, 13e9, "cpu", 2)]
     assert grpo_bench.machine_during(two_ranks).ranks == 2
+
+
+def test_trl_runs_at_its_own_thread_count_and_the_driver_s_comes_back(monkeypatch):
+    import grpo_bench
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    args = grpo_bench.argparse.Namespace(threads=1, trl_threads=0)
+    assert grpo_bench.trl_threads(args) == 1  # 0: the frameworks' shared --threads
+    args.trl_threads = 2
+    with grpo_bench.threads_for(grpo_bench.trl_threads(args)):
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    assert torch.get_num_threads() == before and os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with pytest.raises(RuntimeError, match="TRL failed"), grpo_bench.threads_for(2):
+        raise RuntimeError("TRL failed")
+    assert torch.get_num_threads() == before and "OMP_NUM_THREADS" not in os.environ

@@ -163,3 +163,22 @@ def test_the_kv_cache_table_lands_in_its_machines_section(tmp_path):
     zen4, zen5 = text.split("## zen4: ")[1].split("## zen5: ")
     assert "### Rollout: float32 vs float16 KV cache (opt-in)" in zen4 and "| SmolLM2-135M-Instruct | 300 | 360 | 1.20x |" in zen4
     assert "# KV cache dtype" not in text and "KV cache (opt-in)" not in zen5
+
+
+def test_each_row_says_how_each_framework_used_the_cores(tmp_path):
+    """One-thread rows from before ``--trl-threads`` read "1 x 1 / 1"; a row of two one-thread Ray ranks
+    against TRL on two threads "2 x 1 / 2"; a row without TRL has no TRL threads."""
+    results = write_results(tmp_path)
+    rec = record(3.6, 0.62, "AMD EPYC (family 25, model 17)")
+    row = rec["rows"][0]
+    row.update(backend="ray", workers=2, threads=1, trl_threads=2)
+    (results / "zen4" / "grpo_tiny_cores2.json").write_text(json.dumps(rec))
+    solo = record(1.0, 0.6, "AMD EPYC (family 25, model 17)")
+    for key in ("trl_step_s", "trl_tok_s", "speedup", "trl_floor_frac", "trl_steps"):
+        del solo["rows"][0][key]
+    solo["rows"][0].update(backend="ray", workers=2)
+    (results / "zen4" / "grpo_tiny_ray2.json").write_text(json.dumps(solo))
+    zen4 = report.render(report.load_machines(results)).split("## zen4: ")[1].split("## zen5: ")[0]
+    assert "| tiny | 0.72M | no | " in zen4 and " | 1 x 1 / 1 | 16x8 x (14 + 64) |" in zen4
+    assert "| tiny_cores2 | 0.72M | no | " in zen4 and " | 2 x 1 / 2 | 16x8 x (14 + 64) |" in zen4
+    assert "| tiny_ray2 | 0.72M | no | " in zen4 and " | 2 x 1 / - | 16x8 x (14 + 64) |" in zen4
