@@ -49,7 +49,7 @@ from torch import nn
 
 from hybridrl.engine import cpu_attention
 
-__all__ = ["ATTENTION_NAME", "prompt_groups", "shareable", "shared_prompt_logits"]
+__all__ = ["ATTENTION_NAME", "prompt_groups", "prompt_index", "shareable", "shared_positions", "shared_prompt_logits"]
 
 ATTENTION_NAME = "hybridrl_shared_prefix"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -134,6 +134,23 @@ def shareable(model: nn.Module) -> bool:
     return not checkpointing
 
 
+def prompt_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 prompt_width: int, width: int) -> tuple[int, torch.Tensor]:
+    """The number of distinct prompts among the rows (same tokens, padding and positions in the last
+    ``width`` of the ``prompt_width`` prompt columns) and each row's prompt number ``(b,)``."""
+    cols = slice(prompt_width - width, prompt_width)
+    mask = attention_mask[:, cols].long()
+    key = torch.cat([input_ids[:, cols] * mask, mask, position_ids[:, cols] * mask], dim=1)
+    distinct, index = torch.unique(key, dim=0, return_inverse=True)
+    return distinct.shape[0], index
+
+
+def shared_positions(prompts: int, width: int, rows: int, longest_response: int) -> int:
+    """Token positions ``shared_prompt_logits`` computes: each distinct prompt once at the widest
+    prompt's width, then every row's response tokens but the last, at the longest response."""
+    return prompts * width + rows * (longest_response - 1)
+
+
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                   prompt_width: int, prompt_lens: torch.Tensor, response_lens: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -142,14 +159,9 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     less than ``MIN_SAVED_FRACTION`` of the token positions the full rows compute (``pack_rows``)."""
     b = input_ids.shape[0]
     width = int(prompt_lens.max())
-    cols = slice(prompt_width - width, prompt_width)
-    mask = attention_mask[:, cols].long()
-    key = torch.cat([input_ids[:, cols] * mask, mask, position_ids[:, cols] * mask], dim=1)
-    distinct, index = torch.unique(key, dim=0, return_inverse=True)
-    count = distinct.shape[0]
-    shared = count * width + b * (int(response_lens.max()) - 1)
+    count, index = prompt_index(input_ids, attention_mask, position_ids, prompt_width, width)
     full = b * int((prompt_lens + response_lens).max())  # what pack_rows computes
-    if shared > (1 - MIN_SAVED_FRACTION) * full:
+    if shared_positions(count, width, b, int(response_lens.max())) > (1 - MIN_SAVED_FRACTION) * full:
         return None
     rows = torch.arange(b, device=index.device)
     first = torch.full((count,), b, dtype=rows.dtype, device=index.device).scatter_reduce_(0, index, rows, "amin")

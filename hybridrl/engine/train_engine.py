@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -41,7 +42,14 @@ from hybridrl.engine.lr_schedule import build_lr_scheduler
 from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real_lengths
 from hybridrl.engine.replicate import broadcast_parameters, sum_gradients
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
-from hybridrl.engine.shared_prefix import prompt_groups, shareable, shared_prompt_logits
+from hybridrl.engine.shared_prefix import (
+    MIN_SAVED_FRACTION,
+    prompt_groups,
+    prompt_index,
+    shareable,
+    shared_positions,
+    shared_prompt_logits,
+)
 from hybridrl.protocol import DataProto
 from hybridrl.utils.cpu_matmul import use_onednn_linears
 
@@ -49,6 +57,23 @@ __all__ = ["LossFn", "TrainEngine"]
 
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, Any]]]
 MODEL_TYPES = ("causal_lm", "value")
+# What one more micro-batch costs, in token positions, when a micro-batch of rows of mixed lengths is
+# cut into shorter ones of similar lengths (``seqlen_balancing.padding_split``): a model call and
+# products of fewer rows. The tiny benchmark model's compiled update (one thread) took 0.46 s in one
+# micro-batch of 128 rows x 78 tokens and 0.52 s in four, about 0.02 s a micro-batch, some 430 of its
+# positions; SmolLM2's positions cost about 100x more each, its micro-batch calls not much more.
+# HYBRIDRL_PADDING_SPLIT=0 keeps the fewest micro-batches the caps allow.
+MICRO_BATCH_OVERHEAD_POSITIONS = 256
+
+
+def padding_split_enabled() -> bool:
+    """Whether micro-batches of mixed lengths are cut for padding (``HYBRIDRL_PADDING_SPLIT``, default on)."""
+    value = os.environ.get("HYBRIDRL_PADDING_SPLIT", "1").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"HYBRIDRL_PADDING_SPLIT={value!r}: use 1 (cut micro-batches of mixed lengths) or 0")
 
 
 class TrainEngine:
@@ -278,9 +303,37 @@ class TrainEngine:
         if self.sharded:  # every rank gathers each block once per micro-batch: one count for all (replicas need none)
             def sync(count: int) -> int:
                 return int(all_reduce_max(count, self.group, self.device))
+        split = padding_split_enabled()
         return partition_micro_batches(
-            (p + r).tolist(), max_token_len=max_token_len, micro_batch_size=micro_batch_size, sync_count=sync
+            (p + r).tolist(), max_token_len=max_token_len, micro_batch_size=micro_batch_size, sync_count=sync,
+            split_overhead=MICRO_BATCH_OVERHEAD_POSITIONS if split else None,
+            cost=self._positions_cost(data, p, r) if split else None,
         )
+
+    def _positions_cost(self, data: DataProto, p: torch.Tensor, r: torch.Tensor) -> Callable[[np.ndarray], float]:
+        """The token positions ``_forward_micro`` computes for a micro-batch of the given rows: the
+        longest row's, for every row, or where prompts are shared and that saves enough
+        (``prompt_groups``' rule), each distinct prompt once (``shared_positions``)."""
+        total = (p + r).numpy()
+        prompts = None
+        if self._shares_prompts and int(p.min()) >= 1:
+            ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
+            position_ids = data.batch.get("position_ids")
+            if position_ids is None:
+                position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            prompt_width = ids.shape[1] - data.batch["responses"].shape[1]
+            prompts = prompt_index(ids, mask, position_ids, prompt_width, int(p.max()))[1].numpy()
+        p, r = p.numpy(), r.numpy()
+
+        def cost(rows: np.ndarray) -> float:
+            full = len(rows) * int(total[rows].max())
+            longest = int(r[rows].max())
+            if prompts is None or longest < 2:
+                return full
+            shared = shared_positions(len(np.unique(prompts[rows])), int(p[rows].max()), len(rows), longest)
+            return shared if shared <= (1 - MIN_SAVED_FRACTION) * full else full
+
+        return cost
 
     def _forward_micro(
         self, micro: DataProto, temperature: float, calculate_entropy: bool

@@ -5,7 +5,12 @@ import itertools
 import numpy as np
 import pytest
 
-from hybridrl.engine.seqlen_balancing import balance_across_ranks, karmarkar_karp, partition_micro_batches
+from hybridrl.engine.seqlen_balancing import (
+    balance_across_ranks,
+    karmarkar_karp,
+    padding_split,
+    partition_micro_batches,
+)
 
 
 def _sums(parts, lens):
@@ -94,3 +99,52 @@ def test_partition_names_the_row_longer_than_the_budget():
         partition_micro_batches([10, 20, 90], max_token_len=64)
     with pytest.raises(ValueError, match="exactly one"):
         partition_micro_batches([1], max_token_len=4, micro_batch_size=1)
+
+
+def _total(groups, lens):
+    return sum(_cost(g, lens) for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padding_split_is_the_cheapest_cut_within_the_caps(seed):
+    rng = np.random.default_rng(seed)
+    desc = np.sort(rng.integers(1, 200, size=9))[::-1]
+    cap, max_rows, overhead = 700, 4, 50
+    best = float("inf")
+    for k in range(1, len(desc)):  # every set of cut points
+        for cuts in itertools.combinations(range(1, len(desc)), k - 1):
+            bounds = list(zip((0, *cuts), (*cuts, len(desc))))
+            if all(e - s <= max_rows and (e - s) * desc[s] <= cap for s, e in bounds):
+                best = min(best, sum((e - s) * int(desc[s]) for s, e in bounds) + overhead * len(bounds))
+    groups = padding_split(desc, cap, max_rows, overhead)
+    assert [s for s, _ in groups[1:]] == [e for _, e in groups[:-1]] and groups[0][0] == 0 and groups[-1][1] == 9
+    assert all(e - s <= max_rows and (e - s) * desc[s] <= cap for s, e in groups)
+    assert sum((e - s) * int(desc[s]) for s, e in groups) + overhead * len(groups) == best
+
+
+def test_mixed_lengths_are_cut_where_that_saves_positions():
+    lens = [250, 30, 240, 25, 200, 120, 60, 20]
+    assert len(partition_micro_batches(lens, micro_batch_size=8)) == 1  # without split_overhead: as before
+    groups = partition_micro_batches(lens, micro_batch_size=8, split_overhead=64)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(8)) and len(groups) > 1
+    assert _total(groups, lens) <= 0.9 * 8 * 250
+    for a, b in zip(groups, groups[1:]):  # still contiguous in length order, longest first
+        assert min(lens[i] for i in a) >= max(lens[i] for i in b)
+    # ranks that agreed on more micro-batches spread the rows over that many
+    assert len(partition_micro_batches(lens, micro_batch_size=8, split_overhead=64, sync_count=lambda c: 7)) == 7
+
+
+def test_lengths_that_barely_differ_stay_in_one_micro_batch():
+    lens = [78, 74, 77, 70, 72, 78, 75, 71]
+    assert len(partition_micro_batches(lens, micro_batch_size=8, split_overhead=64)) == 1
+
+
+def test_a_cost_that_counts_shared_prompts_can_keep_the_rows_together():
+    """The cut is judged by the positions the engine computes: rows whose shared prompt makes one
+    micro-batch cheap stay together even where their lengths are mixed."""
+    lens = [250, 30, 240, 25, 200, 120, 60, 20]
+
+    def sharing(rows):
+        return 100 + len(rows) * 10 if len(rows) == 8 else len(rows) * max(lens[i] for i in rows)
+
+    assert len(partition_micro_batches(lens, micro_batch_size=8, split_overhead=64, cost=sharing)) == 1

@@ -22,6 +22,13 @@ from .helpers import (
 pytestmark = pytest.mark.component
 
 
+@pytest.fixture(autouse=True)
+def one_micro_batch_as_asked(monkeypatch):
+    """These tests count the positions of one shared-prompt micro-batch: not cut for padding
+    (``HYBRIDRL_PADDING_SPLIT``; ``test_mixed_lengths_are_cut_only_where_that_beats_sharing`` cuts)."""
+    monkeypatch.setenv("HYBRIDRL_PADDING_SPLIT", "0")
+
+
 def build_llama(seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -196,3 +203,21 @@ def test_compiled_blocks_share_prompts_with_the_eager_numbers():
     assert compiled_out.meta_info["computed_tokens"] == eager_out.meta_info["computed_tokens"] == shared_computed(data)
     torch.testing.assert_close(compiled_out.batch["log_probs"], eager_out.batch["log_probs"], rtol=0, atol=5e-6)
     assert compiled_step["grad_norm"] == pytest.approx(eager_step["grad_norm"], rel=1e-5)
+
+
+def test_mixed_lengths_are_cut_only_where_that_beats_sharing(monkeypatch):
+    """With shared prompts a cut for padding is judged by the positions the shared forward computes:
+    short prompts and very mixed responses are cut, long prompts shared by the group are kept whole;
+    the log-probs are the same either way."""
+    monkeypatch.setenv("HYBRIDRL_PADDING_SPLIT", "1")
+    short = make_group_batch(prompts=4, group=4, prompt_len=4, response_len=96, seed=3)
+    long_prompts = make_group_batch(prompts=1, group=8, prompt_len=96, response_len=12, seed=3)
+    for data, cut in ((short, True), (long_prompts, False)):
+        model = build_model(max_position_embeddings=256)
+        ref = reference_outputs(model, data)
+        out = TrainEngine(model, lr=1e-3).forward(data)
+        torch.testing.assert_close(out.batch["log_probs"], ref["log_probs"], rtol=0, atol=5e-6)
+        if cut:
+            assert out.meta_info["computed_tokens"] < 0.9 * shared_computed(data)
+        else:
+            assert out.meta_info["computed_tokens"] == shared_computed(data)

@@ -134,17 +134,45 @@ def test_export_hf_reloads_with_same_logits(tmp_path, tie):
     assert ("lm_head.weight" in names) == (not tie)
 
 
-def test_padding_efficiency_on_mixed_lengths():
+def test_padding_efficiency_on_mixed_lengths(monkeypatch):
     data = make_batch(batch_size=64, prompt_len=48, response_len=96, seed=6)
     engine = TrainEngine(build_model(max_position_embeddings=256), lr=1e-3)
     real = int(data.batch["attention_mask"].sum())
     padded_ratio = data.batch["input_ids"].numel() / real
-    whole = engine.forward(data, micro_batch_size=64).meta_info["computed_tokens"] / real
+    cut = engine.forward(data, micro_batch_size=64)
     dynamic = engine.forward(data, max_token_len=1024).meta_info["computed_tokens"] / real
+    monkeypatch.setenv("HYBRIDRL_PADDING_SPLIT", "0")
+    one = engine.forward(data, micro_batch_size=64)
+    whole = one.meta_info["computed_tokens"] / real
+    cut_ratio = cut.meta_info["computed_tokens"] / real
     print(f"computed/real tokens: padded {padded_ratio:.3f}, packed one micro-batch {whole:.3f}, "
-          f"length-bucketed max_token_len=1024 {dynamic:.3f}")
+          f"cut for padding {cut_ratio:.3f}, length-bucketed max_token_len=1024 {dynamic:.3f}")
     assert dynamic < whole <= padded_ratio
-    assert dynamic < 1.15
+    # one micro-batch asked for: cut into micro-batches of similar lengths, the same log-probs
+    assert cut_ratio < 1.25 < 2 < whole
+    torch.testing.assert_close(cut.batch["log_probs"], one.batch["log_probs"], rtol=0, atol=2e-6)
+
+
+def test_a_train_step_cut_for_padding_gives_the_one_micro_batch_numbers(monkeypatch):
+    data = make_batch(batch_size=32, prompt_len=24, response_len=96, seed=6)
+    tokens = int(data.batch["response_mask"].sum())
+    results = []
+    for split in ("1", "0"):
+        monkeypatch.setenv("HYBRIDRL_PADDING_SPLIT", split)
+        engine = TrainEngine(build_model(max_position_embeddings=256), lr=1e-3, grad_clip=0.5)
+        results.append((engine.train_step(data, pg_loss_fn(tokens), micro_batch_size=32), params_of(engine.model)))
+    (cut, p_cut), (whole, p_whole) = results
+    assert cut["num_micro_batches"] > 1 and whole["num_micro_batches"] == 1
+    assert whole["padding_ratio"] > 1.5 and cut["padding_ratio"] < 0.75 * whole["padding_ratio"]
+    assert cut["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    assert cut["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    # AdamW's first step moves each parameter by about lr x sign(gradient): a gradient near its eps
+    # moves by a rounding-sensitive fraction of lr (1e-3), hence 1e-5 rather than 1e-6
+    for name in p_whole:
+        torch.testing.assert_close(p_cut[name], p_whole[name], rtol=0, atol=1e-5)
+    monkeypatch.setenv("HYBRIDRL_PADDING_SPLIT", "maybe")
+    with pytest.raises(ValueError, match="HYBRIDRL_PADDING_SPLIT='maybe'"):
+        engine.train_step(data, pg_loss_fn(tokens), micro_batch_size=32)
 
 
 def test_input_errors_name_the_problem():
