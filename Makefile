@@ -94,6 +94,7 @@ bench: smollm2
 	for n in 4 64; do $(VPY) benchmarks/grpo_bench.py --case tiny --ref off --reps 1 --steps 8 --no-trl --backend ray --workers 2 --n $$n --tag _ray2_n$$n --threads $(BENCH_THREADS) || exit 1; done
 	$(VPY) benchmarks/grpo_bench.py --case quickstart --ref on --reps 2 --steps 8 --no-trl --backend ray --workers 2 --tag _ray2 --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/grpo_bench.py --case 25m --ref off --reps 2 --steps 4 --compile off --trl-compile off --tag _eager --threads $(BENCH_THREADS)
+	$(VPY) benchmarks/grpo_bench.py --case smollm2 --ref off --reps 1 --steps 4 --no-trl --eos --r 256 --tag _eos --threads $(BENCH_THREADS)
 	$(VPY) benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 3
 	$(VPY) benchmarks/kv_cache_bench.py --models smollm2 --batch 32 --new-tokens 512 --reps 2
 	$(VPY) benchmarks/report.py

@@ -102,13 +102,15 @@ def mean_prompt_tokens(model_dir: str, train_file: str, rows: int = 512) -> floa
 
 # ---------------------------------------------------------------------------------- hybridrl
 def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with_ref: bool,
-                       backend: str, workers: int, compile_blocks: bool) -> list[str]:
+                       backend: str, workers: int, compile_blocks: bool, eos: bool = False) -> list[str]:
+    """The case as hybridrl config overrides; ``eos``: responses end at the model's end-of-sequence
+    token (mixed lengths) instead of running to exactly R tokens."""
     b = case.n * case.g
     values = {
         "data.train_files": f"[{assets['train']}]", "data.val_files": "[]",
         "data.train_batch_size": case.n, "data.max_prompt_length": case.max_prompt_length,
         "data.max_response_length": case.r, "actor_rollout_ref.model.path": assets["model"],
-        "actor_rollout_ref.rollout.n": case.g, "actor_rollout_ref.rollout.ignore_eos": "true",
+        "actor_rollout_ref.rollout.n": case.g, "actor_rollout_ref.rollout.ignore_eos": str(not eos).lower(),
         "actor_rollout_ref.rollout.temperature": 1.0,
         "actor_rollout_ref.actor.ppo_mini_batch_size": case.mini_batch or case.n,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (case.mini_batch or case.n) * case.g // workers,
@@ -126,15 +128,16 @@ def hybridrl_overrides(case: Case, assets: dict, run_dir: Path, steps: int, with
 
 
 def run_hybridrl(case: Case, assets: dict, steps: int, with_ref: bool, backend: str = "local",
-                 workers: int = 1, compile_blocks: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
+                 workers: int = 1, compile_blocks: bool = False, extra: tuple[str, ...] = (),
+                 eos: bool = False) -> list[dict]:
     """Per-step metrics (timing_s/*, prompt_length/mean, actor/padding_ratio ...) of one run;
-    ``extra``: more ``key=value`` overrides, after the case's."""
+    ``extra``: more ``key=value`` overrides, after the case's; ``eos``: see `hybridrl_overrides`."""
     from hybridrl.config import load_config
     from hybridrl.trainer.main_ppo import run
 
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
         config = load_config(hybridrl_overrides(case, assets, Path(tmp), steps, with_ref, backend, workers,
-                                                compile_blocks) + list(extra), preset="grpo_quickstart")
+                                                compile_blocks, eos) + list(extra), preset="grpo_quickstart")
         run(config)
         lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -251,14 +254,18 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
     for rep in range(args.reps):
         samples.append(Machine.measure(peak_reps=RATE_REPS, ranks=floor_ranks(args)))
         hyb += run_hybridrl(case, assets, args.steps, with_ref, args.backend, args.workers,
-                            args.compile == "on", tuple(args.override))[args.warmup:]
+                            args.compile == "on", tuple(args.override), args.eos)[args.warmup:]
         if not args.no_trl:
             with threads_for(trl_threads(args)):
                 trl += run_trl(case, assets, args.steps, with_ref, args.trl_compile == "on")[args.warmup:]
         print(f"[{case.name} ref={with_ref}] rep {rep}: hybridrl {[round(s['timing_s/step'], 2) for s in hyb]} "
               f"trl {[round(t, 2) for t in trl]}", flush=True)
     machine = machine_during(samples)
-    floor = step_floor(shape, machine, case.n, case.g, p, case.r, with_ref,
+    r = case.r
+    if args.eos:  # the tokens the steps really had; the floor of their mean response length
+        tokens = statistics.median(s["perf/total_num_tokens"] for s in hyb)
+        r = max(1, round(statistics.median(s["response_length/mean"] for s in hyb)))
+    floor = step_floor(shape, machine, case.n, case.g, p, r, with_ref,
                        with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
     result = summarize(case, hyb, trl, tokens, floor)
     result.update(machine=asdict(machine), peak_samples=[m.peak_flops for m in samples],
@@ -267,7 +274,25 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
                   floor_peak_flops=floor["peak_flops"], overrides=args.override, backend=args.backend, workers=args.workers,
                   threads=args.threads, trl_threads=None if args.no_trl else trl_threads(args),
                   hybridrl_compile=args.compile == "on", trl_compile=args.trl_compile == "on")
+    if args.eos:
+        result.update(eos=True, floor_response_tokens=r, **mixed_lengths(hyb, case.n * case.g))
     return result
+
+
+def mixed_lengths(steps: list[dict], rows: int) -> dict:
+    """How mixed the lengths of an ``--eos`` run were (medians over its kept steps of each step's
+    shortest, mean and longest prompt and response), and the padding efficiency of a padded batch
+    on the same steps: the real tokens over rows x (longest prompt + longest response), the positions
+    an update computes when it pads every row to the batch's longest prompt and response (as TRL's
+    GRPOTrainer does)."""
+    def median(key: str) -> float:
+        return statistics.median(s[key] for s in steps)
+
+    out = {f"{part}_length_{stat}": median(f"{part}_length/{stat}")
+           for part in ("prompt", "response") for stat in ("min", "mean", "max")}
+    out["padded_efficiency"] = statistics.median(
+        s["perf/total_num_tokens"] / (rows * (s["prompt_length/max"] + s["response_length/max"])) for s in steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per run, warm-up steps included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not counted (both frameworks)")
     parser.add_argument("--n", type=int, default=0, help="override the case's prompts per step")
+    parser.add_argument("--r", type=int, default=0, help="override the case's response tokens (with --eos: the limit)")
     parser.add_argument("--backend", default="local", choices=("local", "ray"))
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--no-trl", action="store_true", help="hybridrl only")
@@ -288,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a hybridrl config override after the case's (repeatable), e.g. "
                              "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1")
+    parser.add_argument("--eos", action="store_true",
+                        help="responses end at the model's end-of-sequence token (rollout.ignore_eos=false), so "
+                             "their lengths are mixed: the update's padding with mixed lengths; hybridrl only "
+                             "(--no-trl: TRL's tokens would no longer match), its floor at the mean length")
     parser.add_argument("--tag", default="", help="suffix of the result file")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both frameworks (1: see docs/performance.md on shared machines)")
@@ -298,10 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (those steps are not counted)")
+    if args.eos and not args.no_trl:
+        parser.error("--eos needs --no-trl: with mixed response lengths the two frameworks' tokens no longer match")
     provenance()  # the code as the run starts (floor.provenance)
     case = CASES[args.case]
     if args.n:
         case = dataclasses.replace(case, n=args.n)
+    if args.r:
+        case = dataclasses.replace(case, r=args.r)
     set_threads(args.threads)
     torch.manual_seed(0)
     machine = Machine.measure()

@@ -33,6 +33,7 @@ python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 
 python benchmarks/grpo_bench.py --case tiny --ref off --backend ray --workers 2 --no-trl --n 64 --tag _ray2_n64
 python benchmarks/grpo_bench.py --case quickstart --ref on --backend ray --workers 2 --no-trl --tag _ray2
 python benchmarks/grpo_bench.py --case 25m --ref off --compile off --trl-compile off --tag _eager
+python benchmarks/grpo_bench.py --case smollm2 --ref off --no-trl --eos --r 256 --tag _eos   # mixed lengths
 python benchmarks/rollout_bench.py --models tiny,smollm2 --batch 32 --new-tokens 128 --reps 3
 python benchmarks/kv_cache_bench.py --models smollm2 --batch 32 --new-tokens 512 --reps 2   # float16 KV cache
 make bench-vllm                                                # the vLLM column (.venv-vllm)
@@ -119,6 +120,13 @@ def run_range(row: dict) -> str:
     return f"{low}x" if low == high else f"{low}-{high}x"
 
 
+def responses(row: dict) -> str:
+    """The response tokens of a row: R, or for an ``--eos`` row their mean and the limit ("161 of 256")."""
+    if row.get("eos"):
+        return f"{row['response_length_mean']:.0f} of {row['case']['r']}"
+    return str(row["case"]["r"])
+
+
 def cores(row: dict) -> str:
     """How each framework used the cores: "2 x 1 / 2" is two hybridrl ranks of one thread each against
     TRL with two threads (rows from before ``--trl-threads`` ran both at the file's thread count)."""
@@ -141,7 +149,7 @@ def e2e_table(rows: list[dict]) -> str:
         lines.append(
             f"| {case_name(r)} | {r['params'] / 1e6:.2f}M | {'yes' if r['with_ref'] else 'no'} | {compiled(r)} | "
             f"{cores(r)} | "
-            f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {c['r']}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
+            f"{c['n']}x{c['g']} x ({r['mean_prompt_tokens']:.0f} + {responses(r)}) | {r['hybridrl_step_s']:.2f} | {trl[0]} | "
             f"{r['hybridrl_tok_s']:.0f} | {trl[1]} | {trl[2]} | {each} | {peak_text(r)} | "
             f"{r['floor_s']:.3f} | "
             f"{100 * r['hybridrl_floor_frac']:.1f}% | {fmt(r, 'trl_floor_frac', '{:.1%}')} | "
@@ -195,6 +203,25 @@ def phase_table(rows: list[dict]) -> str:
             lines.append(f"| {name} | {'yes' if r['with_ref'] else 'no'} | {label} | {seconds:.3f} | "
                          f"{100 * seconds / r['hybridrl_step_s']:.1f}% | {floor:.3f} | {frac} | {mfu} | {pad} "
                          f"| {positions} |")
+    return "\n".join(lines)
+
+
+def mixed_lengths_table(rows: list[dict]) -> str | None:
+    """The ``--eos`` rows: how mixed their lengths were and the update's padding efficiency."""
+    mixed = [r for r in rows if r.get("eos")]
+    if not mixed:
+        return None
+    lines = ["| case | ref | B | prompt tokens (min / mean / max) | response tokens (min / mean / max, limit) "
+             "| hybridrl padding efficiency | positions / real token | a padded batch's efficiency | update MFU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in mixed:
+        c = r["case"]
+        lines.append(
+            f"| {case_name(r)} | {'yes' if r['with_ref'] else 'no'} | {c['n'] * c['g']} | "
+            f"{r['prompt_length_min']:.0f} / {r['prompt_length_mean']:.1f} / {r['prompt_length_max']:.0f} | "
+            f"{r['response_length_min']:.0f} / {r['response_length_mean']:.1f} / {r['response_length_max']:.0f}, "
+            f"{c['r']} | {r['padding_efficiency']:.3f} | {r['positions_per_token']:.3f} | "
+            f"{r['padded_efficiency']:.3f} | {fmt(r, 'update_mfu', '{:.1%}')} |")
     return "\n".join(lines)
 
 
@@ -268,7 +295,7 @@ def e2e_targets(rows: list[dict]) -> list[Measured]:
             want = 3.0 if model == "tiny" else 1.5
             add(f"e2e >= {want}x TRL tokens/s", r, speed, speed >= want, "{:.2f}x", 1.0 / r["trl_floor_frac"],
                 run_range(r))
-        if model != "tiny" and r["backend"] == "local":
+        if model != "tiny" and r["backend"] == "local" and not r.get("eos"):  # --eos: not the matched step
             add("e2e >= 75% of floor", r, r["hybridrl_floor_frac"], r["hybridrl_floor_frac"] >= 0.75, "{:.1%}")
         if r["update_mfu"] is not None:
             add("update >= 75% MFU", r, r["update_mfu"], r["update_mfu"] >= 0.75, "{:.1%}")
@@ -384,6 +411,14 @@ def machine_section(m: MachineResults) -> list[str]:
         parts += ["### Phase breakdown (hybridrl) against each phase's floor", "",
                   "<details><summary>every phase of every case</summary>", "", phase_table(m.rows), "",
                   "</details>", ""]
+        mixed = mixed_lengths_table(m.rows)
+        if mixed:
+            parts += ["### Padding with mixed lengths (responses ending at EOS)", "",
+                      "`grpo_bench.py --eos`: the responses end at the model's end-of-sequence token, so their lengths "
+                      "are mixed (hybridrl only; the floor and MFU at the mean response length). Lengths are the "
+                      "medians over the kept steps of each step's shortest / mean / longest. A padded batch: the "
+                      "real tokens over rows x (longest prompt + longest response), what an update that pads every "
+                      "row to the batch's longest computes (TRL's `GRPOTrainer` does).", "", mixed, ""]
         controller = controller_table(m.rows)
         if controller:
             parts += ["### Controller overhead as the batch grows (Ray backend)", "",

@@ -217,3 +217,16 @@ def test_trl_runs_at_its_own_thread_count_and_the_driver_s_comes_back(monkeypatc
     with pytest.raises(RuntimeError, match="TRL failed"), grpo_bench.threads_for(2):
         raise RuntimeError("TRL failed")
     assert torch.get_num_threads() == before and "OMP_NUM_THREADS" not in os.environ
+
+
+def test_an_eos_run_reports_how_mixed_its_lengths_were():
+    import grpo_bench
+
+    steps = [{"prompt_length/min": 30.0, "prompt_length/mean": 35.0, "prompt_length/max": 40.0,
+              "response_length/min": 10.0, "response_length/mean": 50.0 + i, "response_length/max": 100.0,
+              "perf/total_num_tokens": 1360.0} for i in range(3)]
+    out = grpo_bench.mixed_lengths(steps, rows=16)
+    assert out["response_length_mean"] == 51.0 and out["prompt_length_max"] == 40.0
+    assert out["padded_efficiency"] == pytest.approx(1360 / (16 * 140))
+    with pytest.raises(SystemExit):  # TRL's tokens would no longer match hybridrl's
+        grpo_bench.main(["--case", "tiny", "--eos"])

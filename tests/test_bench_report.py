@@ -182,3 +182,23 @@ def test_each_row_says_how_each_framework_used_the_cores(tmp_path):
     assert "| tiny | 0.72M | no | " in zen4 and " | 1 x 1 / 1 | 16x8 x (14 + 64) |" in zen4
     assert "| tiny_cores2 | 0.72M | no | " in zen4 and " | 2 x 1 / 2 | 16x8 x (14 + 64) |" in zen4
     assert "| tiny_ray2 | 0.72M | no | " in zen4 and " | 2 x 1 / - | 16x8 x (14 + 64) |" in zen4
+
+
+def test_mixed_length_rows_report_their_padding_and_are_not_held_to_the_e2e_floor(tmp_path):
+    results = write_results(tmp_path)
+    rec = record(1.0, 0.68, "AMD EPYC (family 25, model 17)")
+    row = rec["rows"][0]
+    for key in ("trl_step_s", "trl_tok_s", "speedup", "trl_floor_frac", "trl_steps"):
+        del row[key]
+    row["case"].update(name="smollm2", model="smollm2", n=4, g=4, r=256)
+    row.update(eos=True, padding_efficiency=0.912, positions_per_token=1.074, padded_efficiency=0.672,
+               prompt_length_min=34.0, prompt_length_mean=36.0, prompt_length_max=38.0,
+               response_length_min=19.0, response_length_mean=160.9, response_length_max=256.0)
+    (results / "zen4" / "grpo_smollm2_eos.json").write_text(json.dumps(rec))
+    machines = report.load_machines(results)
+    zen4 = report.render(machines).split("## zen4: ")[1].split("## zen5: ")[0]
+    assert "| smollm2_eos | no | 16 | 34 / 36.0 / 38 | 19 / 160.9 / 256, 256 | 0.912 | 1.074 | 0.672 | 68.0% |" in zen4
+    assert "| 4x4 x (14 + 161 of 256) |" in zen4
+    table = report.targets_by_machine(machines)
+    assert "| padding efficiency >= 0.9 | smollm2_eos ref=no | 0.912 yes | - |" in table
+    assert "e2e >= 75% of floor | smollm2_eos" not in table  # not the matched step of the e2e target
