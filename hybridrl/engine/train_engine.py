@@ -314,7 +314,7 @@ class TrainEngine:
         """The token positions ``_forward_micro`` computes for a micro-batch of the given rows: the
         longest row's, for every row, or where prompts are shared and that saves enough
         (``prompt_groups``' rule), each distinct prompt once (``shared_positions``)."""
-        total = (p + r).numpy()
+        total = (p + r).cpu().numpy()
         prompts = None
         if self._shares_prompts and int(p.min()) >= 1:
             ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
@@ -322,8 +322,8 @@ class TrainEngine:
             if position_ids is None:
                 position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
             prompt_width = ids.shape[1] - data.batch["responses"].shape[1]
-            prompts = prompt_index(ids, mask, position_ids, prompt_width, int(p.max()))[1].numpy()
-        p, r = p.numpy(), r.numpy()
+            prompts = prompt_index(ids, mask, position_ids, prompt_width, int(p.max()))[1].cpu().numpy()
+        p, r = p.cpu().numpy(), r.cpu().numpy()
 
         def cost(rows: np.ndarray) -> float:
             full = len(rows) * int(total[rows].max())

@@ -111,7 +111,7 @@ def test_padding_split_is_the_cheapest_cut_within_the_caps(seed):
     desc = np.sort(rng.integers(1, 200, size=9))[::-1]
     cap, max_rows, overhead = 700, 4, 50
     best = float("inf")
-    for k in range(1, len(desc)):  # every set of cut points
+    for k in range(1, len(desc) + 1):  # every set of cut points, up to every row alone
         for cuts in itertools.combinations(range(1, len(desc)), k - 1):
             bounds = list(zip((0, *cuts), (*cuts, len(desc))))
             if all(e - s <= max_rows and (e - s) * desc[s] <= cap for s, e in bounds):
