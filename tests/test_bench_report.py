@@ -47,6 +47,13 @@ def record(speedup: float, mfu: float, cpu: str = "", measured: str | None = Non
     return out
 
 
+def without_trl(rec: dict) -> dict:
+    """A hybridrl-only record (``--no-trl``): its row has none of TRL's figures."""
+    for key in ("trl_step_s", "trl_tok_s", "speedup", "trl_floor_frac", "trl_steps"):
+        del rec["rows"][0][key]
+    return rec
+
+
 def write_results(root: Path) -> Path:
     results = root / "results"
     (results / "zen4").mkdir(parents=True)
@@ -173,9 +180,7 @@ def test_each_row_says_how_each_framework_used_the_cores(tmp_path):
     row = rec["rows"][0]
     row.update(backend="ray", workers=2, threads=1, trl_threads=2)
     (results / "zen4" / "grpo_tiny_cores2.json").write_text(json.dumps(rec))
-    solo = record(1.0, 0.6, "AMD EPYC (family 25, model 17)")
-    for key in ("trl_step_s", "trl_tok_s", "speedup", "trl_floor_frac", "trl_steps"):
-        del solo["rows"][0][key]
+    solo = without_trl(record(1.0, 0.6, "AMD EPYC (family 25, model 17)"))
     solo["rows"][0].update(backend="ray", workers=2)
     (results / "zen4" / "grpo_tiny_ray2.json").write_text(json.dumps(solo))
     zen4 = report.render(report.load_machines(results)).split("## zen4: ")[1].split("## zen5: ")[0]
@@ -186,10 +191,8 @@ def test_each_row_says_how_each_framework_used_the_cores(tmp_path):
 
 def test_mixed_length_rows_report_their_padding_and_are_not_held_to_the_e2e_floor(tmp_path):
     results = write_results(tmp_path)
-    rec = record(1.0, 0.68, "AMD EPYC (family 25, model 17)")
+    rec = without_trl(record(1.0, 0.68, "AMD EPYC (family 25, model 17)"))
     row = rec["rows"][0]
-    for key in ("trl_step_s", "trl_tok_s", "speedup", "trl_floor_frac", "trl_steps"):
-        del row[key]
     row["case"].update(name="smollm2", model="smollm2", n=4, g=4, r=256)
     row.update(eos=True, padding_efficiency=0.912, positions_per_token=1.074, padded_efficiency=0.672,
                prompt_length_min=34.0, prompt_length_mean=36.0, prompt_length_max=38.0,

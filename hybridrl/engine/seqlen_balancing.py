@@ -136,25 +136,23 @@ def partition_micro_batches(
     lens_desc = lens[order]
     max_rows = micro_batch_size or float("inf")
     cap = max_token_len or float("inf")
-    count = len(_greedy_groups(lens_desc, cap, max_rows))
-    finer = None
+    groups = _spread_groups(lens_desc, len(_greedy_groups(lens_desc, cap, max_rows)), cap, max_rows)
     if split_overhead is not None:
         finer = padding_split(lens_desc, cap, max_rows, split_overhead)
-        def total(groups: list[tuple[int, int]]) -> float:
-            return sum(cost(order[s:e]) if cost else (e - s) * int(lens_desc[s]) for s, e in groups)
 
-        if len(finer) <= count or total(finer) > (1 - PADDING_SPLIT_MIN_SAVING) * total(
-                _spread_groups(lens_desc, count, cap, max_rows)):
-            finer = None
-        else:
-            count = len(finer)
-    count = sync_count(count) if sync_count is not None else count
+        def total(cut: list[tuple[int, int]]) -> float:
+            return sum(cost(order[s:e]) if cost else (e - s) * int(lens_desc[s]) for s, e in cut)
+
+        if len(finer) > len(groups) and total(finer) <= (1 - PADDING_SPLIT_MIN_SAVING) * total(groups):
+            groups = finer
+    count = sync_count(len(groups)) if sync_count is not None else len(groups)
     if count > len(lens):
         raise ValueError(
             f"this rank has {len(lens)} rows but the ranks agreed on {count} micro-batches; "
             f"give every rank the same number of rows (DataProto.chunk) or a larger token budget"
         )
-    groups = finer if finer is not None and len(finer) == count else _spread_groups(lens_desc, count, cap, max_rows)
+    if count != len(groups):
+        groups = _spread_groups(lens_desc, count, cap, max_rows)
     return [order[s:e] for s, e in groups]
 
 

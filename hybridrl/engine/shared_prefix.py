@@ -145,10 +145,12 @@ def prompt_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     return distinct.shape[0], index
 
 
-def shared_positions(prompts: int, width: int, rows: int, longest_response: int) -> int:
-    """Token positions ``shared_prompt_logits`` computes: each distinct prompt once at the widest
-    prompt's width, then every row's response tokens but the last, at the longest response."""
-    return prompts * width + rows * (longest_response - 1)
+def shared_positions(prompts: int, width: int, rows: int, longest_response: int, full: int) -> int | None:
+    """Token positions ``shared_prompt_logits`` computes (each distinct prompt once at the widest
+    prompt's width, then every row's response tokens but the last, at the longest response), or None
+    where that saves less than ``MIN_SAVED_FRACTION`` of the ``full`` rows' positions (``pack_rows``)."""
+    shared = prompts * width + rows * (longest_response - 1)
+    return shared if shared <= (1 - MIN_SAVED_FRACTION) * full else None
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -161,7 +163,7 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     width = int(prompt_lens.max())
     count, index = prompt_index(input_ids, attention_mask, position_ids, prompt_width, width)
     full = b * int((prompt_lens + response_lens).max())  # what pack_rows computes
-    if shared_positions(count, width, b, int(response_lens.max())) > (1 - MIN_SAVED_FRACTION) * full:
+    if shared_positions(count, width, b, int(response_lens.max()), full) is None:
         return None
     rows = torch.arange(b, device=index.device)
     first = torch.full((count,), b, dtype=rows.dtype, device=index.device).scatter_reduce_(0, index, rows, "amin")

@@ -43,7 +43,6 @@ from hybridrl.engine.packing import PackedRows, gather_response, pack_rows, real
 from hybridrl.engine.replicate import broadcast_parameters, sum_gradients
 from hybridrl.engine.seqlen_balancing import partition_micro_batches
 from hybridrl.engine.shared_prefix import (
-    MIN_SAVED_FRACTION,
     prompt_groups,
     prompt_index,
     shareable,
@@ -313,25 +312,24 @@ class TrainEngine:
     def _positions_cost(self, data: DataProto, p: torch.Tensor, r: torch.Tensor) -> Callable[[np.ndarray], float]:
         """The token positions ``_forward_micro`` computes for a micro-batch of the given rows: the
         longest row's, for every row, or where prompts are shared and that saves enough
-        (``prompt_groups``' rule), each distinct prompt once (``shared_positions``)."""
-        total = (p + r).cpu().numpy()
+        (``shared_positions``), each distinct prompt once. The rows' prompt numbers are found on the
+        first call that needs them (none where no cut is weighed)."""
+        shares = self._shares_prompts and int(p.min()) >= 1
+        total, p, r = (p + r).cpu().numpy(), p.cpu().numpy(), r.cpu().numpy()
         prompts = None
-        if self._shares_prompts and int(p.min()) >= 1:
-            ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
-            position_ids = data.batch.get("position_ids")
-            if position_ids is None:
-                position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            prompt_width = ids.shape[1] - data.batch["responses"].shape[1]
-            prompts = prompt_index(ids, mask, position_ids, prompt_width, int(p.max()))[1].cpu().numpy()
-        p, r = p.cpu().numpy(), r.cpu().numpy()
 
         def cost(rows: np.ndarray) -> float:
+            nonlocal prompts
             full = len(rows) * int(total[rows].max())
             longest = int(r[rows].max())
-            if prompts is None or longest < 2:
+            if not shares or longest < 2:
                 return full
-            shared = shared_positions(len(np.unique(prompts[rows])), int(p[rows].max()), len(rows), longest)
-            return shared if shared <= (1 - MIN_SAVED_FRACTION) * full else full
+            if prompts is None:
+                ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
+                prompt_width = ids.shape[1] - data.batch["responses"].shape[1]
+                prompts = prompt_index(ids, mask, _position_ids(data.batch), prompt_width, int(p.max()))[1].cpu().numpy()
+            shared = shared_positions(len(np.unique(prompts[rows])), int(p[rows].max()), len(rows), longest, full)
+            return full if shared is None else shared
 
         return cost
 
@@ -343,9 +341,7 @@ class TrainEngine:
         (the real tokens, or with shared prompts each distinct prompt once)."""
         batch = {k: v.to(self.device) for k, v in micro.batch.items()}
         response_len = batch["responses"].shape[1]
-        position_ids = batch.get("position_ids")
-        if position_ids is None:
-            position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = _position_ids(batch)
         if self._shares_prompts:
             shared = self._shared_prompt_stats(batch, position_ids, temperature, calculate_entropy)
             if shared is not None:
@@ -418,6 +414,14 @@ class TrainEngine:
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` one at a time, HF names (tied weights once); collective."""
         return ckpt.iter_full_tensors(self.model, dtype)
+
+
+def _position_ids(batch) -> torch.Tensor:
+    """The batch's ``position_ids``, or the count of real tokens before each column where it has none."""
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+    return position_ids
 
 
 def _fused_adamw(device: torch.device) -> bool | None:
