@@ -612,8 +612,8 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
 WEIGHT_GRAD_MAX_OUTPUTS = 128 * 1024  # hr_weight_grad keeps them all in L2 (512 KB)
 
 # ``linear`` takes products of at least this many rows (its copy of the weight is made per call) and
-# weights of at most this many floats (its panels stay in L2): the shapes measured faster than oneDNN's
-# (cpu_attention.c, "linear products").
+# weights of at most this many floats (its copy is passed over in blocks of 512 KB): the shapes
+# measured faster than oneDNN's (cpu_attention.c, "linear products").
 LINEAR_MIN_ROWS = 1024
 LINEAR_MAX_WEIGHT = 2 * 1024 * 1024
 

@@ -260,6 +260,9 @@ def test_weight_grad_matches_float64_on_any_number_of_threads(rows, out, inner):
     (8304, 384, 128, False, True),  # its gate-up input gradient: the weight's transposed view
     (1031, 40, 80, True, False),  # a last tile of 5 rows, a last panel of one 16-column vector
     (1030, 7, 16, False, True), (1024, 1, 48, True, False),  # narrow sums, narrow outputs
+    # weights past one 512 KB block of panels: 25 panels in blocks of 4 (the last of one panel of
+    # one 16-column vector), and a panel of 640 KB, one a block
+    (1037, 512, 1552, True, False), (1030, 2560, 80, False, True),
 ])
 def test_linear_matches_float64_on_any_number_of_threads(rows, inner, out, bias, transposed_weight):
     gen = torch.Generator().manual_seed(rows + inner + out)
