@@ -327,7 +327,12 @@ WEIGHT_GRAD_NARROW_INPUT = 256
 # eight processes at one and two threads; 512 rows read 1.3-1.7x, too close to the threshold, and the
 # smaller shapes 1.1-1.3x), with a wider margin than the forward's so that a machine near a tie keeps
 # oneDNN from one process to the next. The timing costs 0.5-0.9 s once per training process there.
-WEIGHT_GRAD_CALIBRATION_SHAPE = (1024, 1536, 512)  # rows, in, out
+# On an Intel Xeon (AVX-512 on two 512-bit units, where MKL takes its AVX-512 code) the gap grows with
+# the rows: oneDNN's time over MKL's 1.21 at 1024 rows, 1.84 at 2048, 2.13 at 4096 (one thread; two
+# threads 1.25 / 1.80 / 1.93), and the 25M model's update has 4144 rows. At 1024 rows the timing kept
+# oneDNN there, and the update took 4.46 s, against 4.00 with MKL's weight gradients. So 2048 rows,
+# where the Zen 1's lead was already clear at 1024.
+WEIGHT_GRAD_CALIBRATION_SHAPE = (2048, 1536, 512)  # rows, in, out
 WEIGHT_GRAD_MIN_SPEEDUP = 1.3
 # MKL's grad^T x ran at 29 GFLOP/s on the tiny model's LM head (8192 rows, in 128, out 1024) where
 # x^T grad, transposed back (a copy of in x out), ran at 34-37 (Zen 1, one thread; two threads 57 /
