@@ -440,7 +440,8 @@ def machine_section(m: MachineResults) -> list[str]:
 def render(machines: list[MachineResults]) -> str:
     parts = ["# Benchmarks", "", "How the numbers are made and what they mean: docs/performance.md. The ratios to TRL "
              "and HF `generate` depend on the CPU (on AMD CPUs their MKL products run AVX2 code, at half a Zen 5's "
-             "rate, nearly a Zen 4's or Zen 3's and all of a Zen 1's), so every machine the benchmarks ran on has its "
+             "rate, nearly a Zen 4's or Zen 3's and all of a Zen 1's; on an Intel Xeon, MKL's AVX-512 code at the "
+             "machine's full rate), so every machine the benchmarks ran on has its "
              "column. A ratio target that is not met also shows its ceiling, \"(2.69x at most)\": the ratio of a framework running "
              "exactly at the floor against the baseline's measured time (the floor over TRL's step, or the "
              "rollout's roofline over HF `generate`'s tok/s); where that is below the target, no framework can "
