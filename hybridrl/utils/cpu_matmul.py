@@ -331,7 +331,8 @@ WEIGHT_GRAD_NARROW_INPUT = 256
 # the rows: oneDNN's time over MKL's 1.21 at 1024 rows, 1.84 at 2048, 2.13 at 4096 (one thread; two
 # threads 1.25 / 1.80 / 1.93), and the 25M model's update has 4144 rows. At 1024 rows the timing kept
 # oneDNN there, and the update took 4.46 s, against 4.00 with MKL's weight gradients. So 2048 rows,
-# where the Zen 1's lead was already clear at 1024.
+# where the Zen 1's lead was already clear at 1024. Twice the rows take about twice as long to time:
+# on the Xeon 0.22-0.23 s a timing (1.07 s for a process's first, which loads the kernels).
 WEIGHT_GRAD_CALIBRATION_SHAPE = (2048, 1536, 512)  # rows, in, out
 WEIGHT_GRAD_MIN_SPEEDUP = 1.3
 # MKL's grad^T x ran at 29 GFLOP/s on the tiny model's LM head (8192 rows, in 128, out 1024) where
