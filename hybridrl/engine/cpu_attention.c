@@ -889,7 +889,12 @@ int hr_linear(const float *x, int64_t xs, int64_t m, int64_t in, const float *w,
               int64_t out, const float *bias, float *y, int nthreads) {
     if (out % 16 || out <= 0 || in <= 0) return -1;
     int64_t panels = (out + LN_W - 1) / LN_W, tiles = (m + LN_MR - 1) / LN_MR;
-    float *pw = aligned_alloc(64, round_up(panels * in * LN_W * (int64_t)sizeof(float), 64));
+    /* the panels in blocks of about LN_BLOCK bytes (at least one panel), each block passed over by
+     * every tile before the next (the threads keep the same tiles from block to block, so no barrier
+     * between blocks) */
+    int64_t panel_bytes = in * LN_W * (int64_t)sizeof(float);
+    int64_t per_block = LN_BLOCK > panel_bytes ? LN_BLOCK / panel_bytes : 1;
+    float *pw = aligned_alloc(64, round_up(panels * panel_bytes, 64));
     if (!pw) return -2;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -899,10 +904,6 @@ int hr_linear(const float *x, int64_t xs, int64_t m, int64_t in, const float *w,
             for (int64_t i = 0; i < in; i++)
                 for (int64_t c = 0; c < cols; c++) pw[(p * in + i) * LN_W + c] = w[(p * LN_W + c) * wso + i * wsi];
         }
-        /* the panels in blocks of about LN_BLOCK bytes, each block passed over by every tile before the
-         * next (the threads keep the same tiles from block to block, so no barrier between blocks) */
-        int64_t per_block = LN_BLOCK / (in * LN_W * (int64_t)sizeof(float));
-        if (per_block < 1) per_block = 1;
         for (int64_t pb = 0; pb < panels; pb += per_block) {
             int64_t pe = pb + per_block < panels ? pb + per_block : panels;
 #pragma omp for schedule(static) nowait
