@@ -221,6 +221,28 @@ def test_input_gradient_product_matches_float64_on_its_backend(inner, weight_gra
     assert grad_x.shape == (70, inner)
 
 
+@pytest.mark.parametrize("kernels", ["hybridrl", "onednn"])
+@pytest.mark.parametrize("inner", [16, 512, 513, 1536])
+def test_forward_product_takes_mkl_where_the_input_gradient_does(inner, weight_grads, kernels, monkeypatch):
+    """The forward product of an input wider than INPUT_GRAD_MKL_WIDTH goes to MKL where MKL took the
+    weight gradients (MKL's own numbers, bit for bit), except at the shapes hybridrl's kernel takes where
+    ``kernels_backend`` keeps it; other inputs keep their product. Float64's numbers to rounding."""
+    from hybridrl.engine import cpu_attention
+
+    monkeypatch.setattr(cpu_matmul, "_kernels_choice", kernels)
+    assert cpu_matmul.forward_backend(inner) == cpu_matmul.input_grad_backend(inner)
+    gen = torch.Generator().manual_seed(inner)
+    for rows in (70, cpu_attention.LINEAR_MIN_ROWS):
+        x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, inner), (96, inner), (96,)))
+        y = cpu_matmul._linear_op(x, weight, bias)
+        _close(y, torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float())
+        kernel = cpu_attention.linear_usable(x, weight) and kernels == "hybridrl"
+        on_mkl = cpu_matmul.forward_backend(inner) == "mkl" and not kernel
+        assert torch.equal(y, torch.nn.functional.linear(x, weight, bias)) or not on_mkl
+        if kernel:
+            assert torch.equal(y, cpu_attention.linear(x, weight, bias))
+
+
 @pytest.mark.parametrize("inner", [64, 600])
 def test_strided_views_and_compile(inner, weight_grads):
     """The last position of each sequence (rows with gaps between them) and a compiled caller, with

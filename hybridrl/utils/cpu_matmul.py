@@ -20,9 +20,10 @@ to every rank, ``pinned_choices``): ``HYBRIDRL_CPU_MATMUL=onednn`` or ``mkl`` fo
 choice from one process to the next). The weight gradients of the training products have a choice of
 their own (``weight_grad_backend()``, the same variable, timed on a gradient the first time one is
 needed), since where MKL runs at the machine's full rate its products on a transposed operand can
-beat oneDNN's by 1.5-2x while the forward products tie; where it took them, it also takes the input
-gradients of inputs wider than ``INPUT_GRAD_MKL_WIDTH`` (``input_grad_backend``). Where oneDNN is
-chosen:
+beat oneDNN's by 1.5-2x while the forward products tie or lead by less than ``MIN_SPEEDUP``; where it
+took them, it also takes the input gradients of inputs wider than ``INPUT_GRAD_MKL_WIDTH``
+(``input_grad_backend``) and the forward products of those inputs that hybridrl's kernel does not
+take (``forward_backend``). Where oneDNN is chosen:
 
 - ``use_onednn_linears(model)`` turns a model's fp32 CPU ``nn.Linear`` modules into
   ``OneDNNLinear`` (same parameters, state dict and numbers to float rounding), whose forward runs
@@ -50,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MIN_SPEEDUP", "OneDNNLinear", "backend", "fp32_cpu", "kernels_backend", "linear", "onednn_available",
-           "pinned_choices", "use_onednn_linears", "uses_onednn", "input_grad_backend", "weight_grad_backend"]
+           "pinned_choices", "use_onednn_linears", "uses_onednn", "forward_backend", "input_grad_backend",
+           "weight_grad_backend"]
 
 BACKENDS = ("auto", "mkl", "onednn")
 MIN_SPEEDUP = 1.2  # auto keeps MKL only when it is at least this much faster than oneDNN
@@ -286,9 +288,21 @@ def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _onednn(x, weight, bias)
 
 
+def _forward_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (m, in) @ weight (out, in)^T + bias, the forward product of a training linear: hybridrl's
+    kernel where it takes it and ``kernels_backend`` keeps it, else MKL where ``forward_backend``
+    picks it, else oneDNN's."""
+    from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
+
+    if forward_backend(weight.shape[1]) == "mkl" and not (
+            cpu_attention.linear_usable(x, weight) and kernels_backend() == "hybridrl"):
+        return F.linear(x, weight, bias)
+    return _training_product(x, weight, bias)
+
+
 @torch.library.custom_op(f"hybridrl::linear_v{OP_VERSION}", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = _training_product(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    out = _forward_product(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
     # a tensor of its own over the same memory, not a view: FSDP2 warns about (and autograd treats
     # specially) a module output that is a view, and the LM head's output is the model's
     return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
@@ -457,6 +471,22 @@ def input_grad_backend(inner: int) -> str:
     """"onednn" or "mkl": the product of the input gradient of a linear whose input has ``inner``
     features (the rule above)."""
     return "mkl" if inner > INPUT_GRAD_MKL_WIDTH and weight_grad_backend() == "mkl" else "onednn"
+
+
+# The forward products take the same rule, after hybridrl's own kernel (``cpu_attention.linear``, where
+# it takes the product and ``kernels_backend`` keeps it): where MKL took the weight gradients it runs
+# at the machine's full rate, and on an Intel Xeon (AVX-512 on two 512-bit units, MKL's AVX-512 code)
+# its forward products led oneDNN's at every shape measured, though by less than ``backend()``'s
+# threshold, so ``backend()`` keeps oneDNN there. One thread, cold operands, best of 7, GFLOP/s MKL /
+# oneDNN: SmolLM2's (644 rows) q-k-v 208 / 186, o 199 / 190, gate-up 214 / 190, down 205 / 193, LM
+# head 193 / 178 (512 rows: 189 / 174); at 256 rows 164-188 / 149-174; two threads at 2048 rows 348-384
+# / 322-354. SmolLM2 updates alternating in one process (644 rows, one thread): 3.419 -> 3.357 s, in
+# another (a busier moment) 3.673 -> 3.626 s (medians of 8 and 10). On a Zen 1, the other machine where MKL took the weight gradients, the forward
+# products tie, and the inputs wider than INPUT_GRAD_MKL_WIDTH are those MKL read fastest there.
+def forward_backend(inner: int) -> str:
+    """"onednn" or "mkl": the product of a training linear's forward whose input has ``inner`` features
+    where hybridrl's kernel does not take it (the rule above)."""
+    return input_grad_backend(inner)
 
 
 @torch.library.custom_op(f"hybridrl::linear_input_grad_v{OP_VERSION}", mutates_args=())
