@@ -475,14 +475,16 @@ def input_grad_backend(inner: int) -> str:
 
 # The forward products take the same rule, after hybridrl's own kernel (``cpu_attention.linear``, where
 # it takes the product and ``kernels_backend`` keeps it): where MKL took the weight gradients it runs
-# at the machine's full rate, and on an Intel Xeon (AVX-512 on two 512-bit units, MKL's AVX-512 code)
-# its forward products led oneDNN's at every shape measured, though by less than ``backend()``'s
+# at the machine's full rate. On an Intel Xeon (AVX-512 on two 512-bit units, MKL's AVX-512 code) its
+# forward products led oneDNN's at all but one of the shapes measured, by less than ``backend()``'s
 # threshold, so ``backend()`` keeps oneDNN there. One thread, cold operands, best of 7, GFLOP/s MKL /
 # oneDNN: SmolLM2's (644 rows) q-k-v 208 / 186, o 199 / 190, gate-up 214 / 190, down 205 / 193, LM
-# head 193 / 178 (512 rows: 189 / 174); at 256 rows 164-188 / 149-174; two threads at 2048 rows 348-384
-# / 322-354. SmolLM2 updates alternating in one process (644 rows, one thread): 3.419 -> 3.357 s, in
-# another (a busier moment) 3.673 -> 3.626 s (medians of 8 and 10). On a Zen 1, the other machine where MKL took the weight gradients, the forward
-# products tie, and the inputs wider than INPUT_GRAD_MKL_WIDTH are those MKL read fastest there.
+# head 193 / 178 (512 rows: 189 / 174); at 256 rows 144-188 / 121-174, except the LM head's 162 / 169;
+# two threads at 2048 rows 347-384 / 322-354. SmolLM2 updates alternating in one process (644 rows,
+# one thread): 3.419 -> 3.357 s, in another (a busier moment) 3.673 -> 3.626 s (medians of 8 and 10);
+# in `make bench` its reference pass (forward products only) 1.13 -> 1.00 s. On a Zen 1, the other
+# machine where MKL took the weight gradients, the forward products tie, and the inputs wider than
+# INPUT_GRAD_MKL_WIDTH are those MKL read fastest there.
 def forward_backend(inner: int) -> str:
     """"onednn" or "mkl": the product of a training linear's forward whose input has ``inner`` features
     where hybridrl's kernel does not take it (the rule above)."""
