@@ -236,11 +236,13 @@ def test_forward_product_takes_mkl_where_the_input_gradient_does(inner, weight_g
         x, weight, bias = (torch.randn(*s, generator=gen) for s in ((rows, inner), (96, inner), (96,)))
         y = cpu_matmul._linear_op(x, weight, bias)
         _close(y, torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float())
-        kernel = cpu_attention.linear_usable(x, weight) and kernels == "hybridrl"
-        on_mkl = cpu_matmul.forward_backend(inner) == "mkl" and not kernel
-        assert torch.equal(y, torch.nn.functional.linear(x, weight, bias)) or not on_mkl
-        if kernel:
-            assert torch.equal(y, cpu_attention.linear(x, weight, bias))
+        if cpu_attention.linear_usable(x, weight) and kernels == "hybridrl":
+            expected = cpu_attention.linear(x, weight, bias)
+        elif cpu_matmul.forward_backend(inner) == "mkl":
+            expected = torch.nn.functional.linear(x, weight, bias)
+        else:
+            expected = cpu_matmul._onednn(x, weight, bias)
+        assert torch.equal(y, expected)
 
 
 @pytest.mark.parametrize("inner", [64, 600])
