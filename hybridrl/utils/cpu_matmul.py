@@ -277,32 +277,23 @@ def kernels_backend() -> str:
     return _kernels_choice
 
 
-def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _training_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      mkl: bool = False) -> torch.Tensor:
     """x (m, in) @ weight (out, in)^T + bias on the oneDNN side of a training product: hybridrl's kernel
     where it applies (``cpu_attention.linear``; the rates in cpu_attention.c) and ``kernels_backend``
-    keeps it, else oneDNN's."""
+    keeps it, else MKL's with ``mkl`` (a forward product ``forward_backend`` gives to MKL), else
+    oneDNN's."""
     from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
 
     if cpu_attention.linear_usable(x, weight) and kernels_backend() == "hybridrl":
         return cpu_attention.linear(x, weight, bias)
-    return _onednn(x, weight, bias)
-
-
-def _forward_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (m, in) @ weight (out, in)^T + bias, the forward product of a training linear: hybridrl's
-    kernel where it takes it and ``kernels_backend`` keeps it, else MKL where ``forward_backend``
-    picks it, else oneDNN's."""
-    from hybridrl.engine import cpu_attention  # here: hybridrl.engine imports this module
-
-    if forward_backend(weight.shape[1]) == "mkl" and not (
-            cpu_attention.linear_usable(x, weight) and kernels_backend() == "hybridrl"):
-        return F.linear(x, weight, bias)
-    return _training_product(x, weight, bias)
+    return F.linear(x, weight, bias) if mkl else _onednn(x, weight, bias)
 
 
 @torch.library.custom_op(f"hybridrl::linear_v{OP_VERSION}", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = _forward_product(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    mkl = forward_backend(weight.shape[1]) == "mkl"
+    out = _training_product(_rows(x), weight, bias, mkl).view(*x.shape[:-1], weight.shape[0])
     # a tensor of its own over the same memory, not a view: FSDP2 warns about (and autograd treats
     # specially) a module output that is a view, and the LM head's output is the model's
     return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
