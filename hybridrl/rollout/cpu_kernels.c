@@ -546,15 +546,25 @@ int hr_dense_supported(void) { return 1; }
             _mm_prefetch((p), _MM_HINT_T0);              \
     } while (0)
 
+/* Where the lines of the next chunks are: `hr_dense` reads `streams` panels side by side (1, 2 or 4)
+ * and requests their next chunks a line of each in turn, line i at stream i & mask, line i >> shift
+ * of it (see hr_dense). */
+#define HR_MAX_STREAMS 4
+typedef struct {
+    const char *at[HR_MAX_STREAMS];
+    int64_t mask, shift;
+} hr_ahead;
+#define HR_AHEAD_LINE(a, i) ((a)->at[(i) & (a)->mask] + ((i) >> (a)->shift) * 64)
+
 #if HR_SIMD == 512
 /* One 8-row tile over `len` k steps of a panel chunk `w` (len, 48): the chunk's products are summed
  * in registers from zero, then added to acc (rows 48 floats apart; set when `first`): blocked
  * summation, whose rounding error grows with the chunk length + k / chunk length rather than with
  * k. Only the first `nv` 16-column vectors are computed (all 3, fewer in a matrix's last panel: the
  * rest of acc is left as it is and never stored out). Every 4 k steps it issues up to `per4` of the
- * `lines` prefetches of the next chunk at `pf` (*done counts those issued so far). */
+ * `lines` prefetches of the next chunks at `ahead` (*done counts those issued so far). */
 static inline __attribute__((always_inline)) void hr_tile512(const float *const *x, int64_t kc, const float *w,
-        int64_t len, float *acc, int first, const char *pf, int64_t lines, int64_t per4, int64_t *done,
+        int64_t len, float *acc, int first, const hr_ahead *ahead, int64_t lines, int64_t per4, int64_t *done,
         const int nv, int l2) {
     __m512 a[3 * HR_MR], wv[3];
     /* Unrolled, so that GCC does not turn the loop into a call to memset on a copy of the tile in
@@ -569,7 +579,8 @@ static inline __attribute__((always_inline)) void hr_tile512(const float *const 
     int64_t issued = *done;
     for (int64_t kk = 0; kk < len; kk++) {
         if ((kk & 3) == 0)
-            for (int64_t i = 0; i < per4 && issued < lines; i++, issued++) HR_PREFETCH_CHUNK(pf + issued * 64, l2);
+            for (int64_t i = 0; i < per4 && issued < lines; i++, issued++)
+                HR_PREFETCH_CHUNK(HR_AHEAD_LINE(ahead, issued), l2);
         const float *wk = w + kk * HR_NR;
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) wv[v] = _mm512_loadu_ps(wk + 16 * v);
@@ -596,20 +607,20 @@ static inline __attribute__((always_inline)) void hr_tile512(const float *const 
  * vectors / not: q-k-v 86-87 / 94-95, o 82-84 / 90-93, down 89-90 / 91-100; the 768-column
  * gate-up, with no empty vectors, 99 either way). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
-                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
+                           const hr_ahead *ahead, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
     if (vecs > 4)
-        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 3, l2);
+        hr_tile512(x, kc, w, len, acc, first, ahead, lines, per4, done, 3, l2);
     else if (vecs > 2)
-        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 2, l2);
+        hr_tile512(x, kc, w, len, acc, first, ahead, lines, per4, done, 2, l2);
     else
-        hr_tile512(x, kc, w, len, acc, first, pf, lines, per4, done, 1, l2);
+        hr_tile512(x, kc, w, len, acc, first, ahead, lines, per4, done, 1, l2);
 }
 #else
 /* One pass of the AVX2 tile below: `rows` rows x the first `vecs` 8-column vectors of the chunk `w`
  * (rows * vecs <= 12 accumulators), summed over `len` k steps from zero and then added to acc, each
  * output's sum in the AVX-512 tile's order. The compiler unrolls it for each (rows, vecs). */
 static inline __attribute__((always_inline)) void hr_part(const float *const *x, int64_t kc, const int rows,
-        const int vecs, const float *w, int64_t len, float *acc, int first, const char *pf, int64_t lines,
+        const int vecs, const float *w, int64_t len, float *acc, int first, const hr_ahead *ahead, int64_t lines,
         int64_t per4, int64_t *issued, int l2) {
     __m256 a[12], wv[3];
     const float *xs[8];
@@ -618,7 +629,7 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
     for (int64_t kk = 0; kk < len; kk++) {
         if ((kk & 3) == 0)
             for (int64_t i = 0; i < per4 && *issued < lines; i++, (*issued)++)
-                HR_PREFETCH_CHUNK(pf + *issued * 64, l2);
+                HR_PREFETCH_CHUNK(HR_AHEAD_LINE(ahead, *issued), l2);
 #pragma GCC unroll 3
         for (int v = 0; v < vecs; v++) {
             wv[v] = _mm256_loadu_ps(w + kk * HR_NR + 8 * v);
@@ -650,7 +661,7 @@ static inline __attribute__((always_inline)) void hr_part(const float *const *x,
  * its last panel's 48, and multiplying the zeros took a tenth of its time (28 against 36 GFLOP/s for
  * torch's product at 128 rows, one Zen 1 core). */
 static inline void hr_tile(const float *const *x, int64_t kc, const float *w, int64_t len, float *acc, int first,
-                           const char *pf, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
+                           const hr_ahead *ahead, int64_t lines, int64_t per4, int64_t *done, int vecs, int l2) {
     int64_t issued = *done;
     for (int ch = 0; ch < 2; ch++) {
         int part = vecs - 3 * ch; /* this half's real vectors */
@@ -658,28 +669,52 @@ static inline void hr_tile(const float *const *x, int64_t kc, const float *w, in
         float *ac = acc + 24 * ch;
         if (part >= 3)
             for (int rh = 0; rh < 2; rh++)
-                hr_part(x + 4 * rh, kc, 4, 3, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued, l2);
+                hr_part(x + 4 * rh, kc, 4, 3, wc, len, ac + 4 * rh * HR_NR, first, ahead, lines, per4, &issued, l2);
         else if (part == 2)
             for (int rh = 0; rh < 2; rh++)
-                hr_part(x + 4 * rh, kc, 4, 2, wc, len, ac + 4 * rh * HR_NR, first, pf, lines, per4, &issued, l2);
+                hr_part(x + 4 * rh, kc, 4, 2, wc, len, ac + 4 * rh * HR_NR, first, ahead, lines, per4, &issued, l2);
         else if (part == 1) /* all 8 rows at once: 8 accumulators */
-            hr_part(x, kc, 8, 1, wc, len, ac, first, pf, lines, per4, &issued, l2);
+            hr_part(x, kc, 8, 1, wc, len, ac, first, ahead, lines, per4, &issued, l2);
     }
     *done = issued;
 }
 #endif
 
+/* The finished panel p of `rows` rows (at r0) from its sums in acc, plus the bias, into out (m, n). */
+static inline void hr_store_panel(const float *acc, int64_t p, int64_t n, const float *bias, float *out, int64_t r0,
+                                  int64_t rows) {
+    int64_t cols = n - p * HR_NR;
+    hm mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
+    hv bv[3];
+    for (int v = 0; v < 3; v++) bv[v] = bias ? hv_maskz_loadu(mask[v], bias + p * HR_NR + 16 * v) : hv_zero();
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (r0 + r) * n + p * HR_NR;
+        const float *a = acc + r * 48;
+        for (int v = 0; v < 3; v++) hv_mask_storeu(o + 16 * v, mask[v], hv_add(hv_loadu(a + 16 * v), bv[v]));
+    }
+}
+
 /* out (m, n) row-major = x (m, k) row-major @ W^T + bias (may be NULL); `packed` from hr_pack_rows.
- * Threads split the panels (output columns); each streams its own contiguous part of `packed`. */
+ * Threads split the panels (output columns); each streams its own contiguous part of `packed`.
+ *
+ * `streams` (1, 2 or 4): a thread splits its panels into that many runs and walks them side by side,
+ * one chunk of each in turn, requesting the next chunks of all of them a line of each in turn. Each
+ * output's sum runs over the same chunks in the same order either way, so the results are the same
+ * bits. On an Intel Xeon (virtualised, 217-305 ns to memory) one sequential stream of requests left
+ * the reads and the arithmetic hardly overlapping: SmolLM2's decode products at 16 rows, one thread,
+ * 53-60 ms a step against 38-40 for the reading alone; two streams, which the L2 prefetcher runs
+ * ahead of each on its own, 46-48 ms (four 46, eight 47). The decoder chooses (cpu_kernels.py,
+ * `dense_streams`). */
 void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
-              int nthreads) {
+              int streams, int nthreads) {
     int64_t panels = (n + HR_NR - 1) / HR_NR;
+    int64_t shift = streams >= 4 ? 2 : streams >= 2 ? 1 : 0, ways = (int64_t)1 << shift;
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        const char *end = (const char *)(packed + p1 * k * HR_NR); /* this thread's part ends here */
-        float acc[HR_TILES * 3 * HR_MR * 16] __attribute__((aligned(64)));
+        int64_t run = (p1 - p0 + ways - 1) / ways; /* panels per stream: stream s has p0 + s run .. */
+        float acc[HR_MAX_STREAMS][HR_TILES * 3 * HR_MR * 16] __attribute__((aligned(64)));
         for (int64_t r0 = 0; r0 < m; r0 += HR_TILES * HR_MR) {
             int64_t rows = m - r0 < HR_TILES * HR_MR ? m - r0 : HR_TILES * HR_MR;
             int64_t tiles = (rows + HR_MR - 1) / HR_MR;
@@ -691,31 +726,37 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
              * layer products at 32 rows, two threads, a Zen 4: 165 -> 175 GFLOP/s, AVX2 build 150 ->
              * 154; at 8-24 rows no gain). */
             int64_t chunk = tiles > 3 ? 2 * HR_KC : HR_KC;
-            for (int64_t p = p0; p < p1; p++) {
-                const float *panel = packed + p * k * HR_NR;
-                int vecs = n - p * HR_NR >= HR_NR ? HR_NR / 8 : (int)(n - p * HR_NR + 7) / 8;
+            for (int64_t i = 0; i < run; i++) {
+                /* the streams' i-th panels; the live ones are a prefix (only the last runs fall short) */
+                int64_t ps[HR_MAX_STREAMS];
+                int live = 0;
+                for (int s = 0; s < ways; s++)
+                    if ((ps[s] = p0 + s * run + i) < p1) live = s + 1;
                 for (int64_t kc = 0; kc < k; kc += chunk) {
-                    int64_t len = k - kc < chunk ? k - kc : chunk;
-                    /* the next chunk in memory: this panel's, or the next panel's first */
-                    const char *pf = (const char *)(panel + (kc + len) * HR_NR);
-                    int64_t lines = chunk * HR_NR * 4 / 64;
-                    if (pf + lines * 64 > end) lines = pf < end ? (end - pf) / 64 : 0;
-                    int64_t per4 = (4 * lines + len * tiles - 1) / (len * tiles), done = 0;
-                    for (int64_t tile = 0; tile < tiles; tile++)
-                        hr_tile(xr + tile * HR_MR, kc, panel + kc * HR_NR, len, acc + tile * 3 * HR_MR * 16, kc == 0,
-                                pf, lines, per4, &done, vecs, tiles <= HR_L2_TILES);
+                    int64_t len = k - kc < chunk ? k - kc : chunk, next = 0;
+                    /* the chunks read next: each stream's following one, or its next panel's first */
+                    hr_ahead ahead = {.mask = ways - 1, .shift = shift};
+                    int known = 0;
+                    if (kc + len < k) {
+                        next = k - kc - len < chunk ? k - kc - len : chunk;
+                        for (int s = 0; s < live; s++) ahead.at[known++] = (const char *)(packed + (ps[s] * k + kc + len) * HR_NR);
+                    } else if (i + 1 < run) {
+                        next = k < chunk ? k : chunk;
+                        for (int s = 0; s < live; s++)
+                            if (ps[s] + 1 < p1) ahead.at[known++] = (const char *)(packed + (ps[s] + 1) * k * HR_NR);
+                    }
+                    for (int s = known; s < ways; s++) ahead.at[s] = known ? ahead.at[s % known] : NULL; /* again: harmless */
+                    int64_t lines = known ? ways * (next * HR_NR * 4 / 64) : 0, passes = len * tiles * live;
+                    int64_t per4 = (4 * lines + passes - 1) / passes, done = 0;
+                    for (int s = 0; s < live; s++) {
+                        const float *panel = packed + ps[s] * k * HR_NR;
+                        int vecs = n - ps[s] * HR_NR >= HR_NR ? HR_NR / 8 : (int)(n - ps[s] * HR_NR + 7) / 8;
+                        for (int64_t tile = 0; tile < tiles; tile++)
+                            hr_tile(xr + tile * HR_MR, kc, panel + kc * HR_NR, len, acc[s] + tile * 3 * HR_MR * 16,
+                                    kc == 0, &ahead, lines, per4, &done, vecs, tiles <= HR_L2_TILES);
+                    }
                 }
-                int64_t cols = n - p * HR_NR;
-                hm mask[3] = {lanes(cols), lanes(cols - 16), lanes(cols - 32)};
-                hv bv[3];
-                for (int v = 0; v < 3; v++)
-                    bv[v] = bias ? hv_maskz_loadu(mask[v], bias + p * HR_NR + 16 * v) : hv_zero();
-                for (int64_t r = 0; r < rows; r++) {
-                    float *o = out + (r0 + r) * n + p * HR_NR;
-                    const float *a = acc + r * 48;
-                    for (int v = 0; v < 3; v++)
-                        hv_mask_storeu(o + 16 * v, mask[v], hv_add(hv_loadu(a + 16 * v), bv[v]));
-                }
+                for (int s = 0; s < live; s++) hr_store_panel(acc[s], ps[s], n, bias, out, r0, rows);
             }
         }
     }
@@ -725,8 +766,8 @@ int hr_dense_supported(void) { return 0; }
 
 /* Without AVX-512 or AVX2 the decoder keeps torch's GEMM (hr_dense_supported() == 0); never called. */
 void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *out,
-              int nthreads) {
-    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)nthreads;
+              int streams, int nthreads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)streams, (void)nthreads;
 }
 #endif
 
@@ -757,22 +798,22 @@ void hr_decode_layers(float *hidden, float *normed, float *qkv, float *attn, flo
                       int64_t prompt_kv_stride, int64_t prow_stride, int64_t phead_stride,
                       const int64_t *source, int64_t shared, const float *cos, const float *ssin,
                       const uint8_t *valid, int64_t valid_stride, int64_t slot, int64_t heads, int64_t kv_heads,
-                      int64_t d, float scale, int half, int nthreads) {
+                      int64_t d, float scale, int half, int streams, int nthreads) {
     int64_t size = HR_KV_BYTES(half);
     for (int64_t l = 0; l < layers; l++) {
         const float *const *w = weights + 8 * l;
         char *keys = (char *)cache + l * layer_stride * size;
         const char *pkeys = prompts ? (const char *)prompts + l * prompt_layer_stride * size : NULL;
-        hr_dense(normed, width, embed, w[0], qkv_width, w[1], qkv, nthreads);
+        hr_dense(normed, width, embed, w[0], qkv_width, w[1], qkv, streams, nthreads);
         hr_decode_attention(qkv, qkv_width, cos, ssin, keys, keys + kv_stride * size, row_stride, head_stride, valid,
                             valid_stride, slot, slot + 1, attn, rows, heads, kv_heads, d, scale, pkeys,
                             pkeys ? pkeys + prompt_kv_stride * size : NULL, prow_stride, phead_stride, source, shared,
                             half, nthreads);
-        hr_dense(attn, width, heads * d, w[2], embed, w[3], proj, nthreads);
+        hr_dense(attn, width, heads * d, w[2], embed, w[3], proj, streams, nthreads);
         hr_add_rms_norm(hidden, proj, norms[2 * l], normed, rows, embed, eps[2 * l], nthreads);
-        hr_dense(normed, width, embed, w[4], 2 * inter, w[5], gate_up, nthreads);
+        hr_dense(normed, width, embed, w[4], 2 * inter, w[5], gate_up, streams, nthreads);
         hr_silu_mul(gate_up, act, rows, inter, nthreads);
-        hr_dense(act, width, inter, w[6], embed, w[7], proj, nthreads);
+        hr_dense(act, width, inter, w[6], embed, w[7], proj, streams, nthreads);
         hr_add_rms_norm(hidden, proj, norms[2 * l + 1], normed, rows, embed, eps[2 * l + 1], nthreads);
     }
 }

@@ -34,12 +34,36 @@ _SIGNATURES = {
     "hr_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "hr_select_tokens": [_PTR, _PTR, _F32, _INT, _PTR, _PTR, _I64, _I64, _INT],
     "hr_pack_rows": [_PTR, _I64, _I64, _PTR, _I64, _INT],
-    "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+    "hr_dense": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT],
     "hr_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR,
                             _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT],
     "hr_decode_layers": [_PTR] * 7 + [_I64] * 6 + [_PTR] * 4 + [_I64] * 4 + [_PTR] + [_I64] * 4
-                        + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT],
+                        + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT, _INT],
 }
+
+
+STREAMS_ENV = "HYBRIDRL_DECODE_STREAMS"
+
+
+def dense_streams(cpuinfo: str | None = None) -> int:
+    """How many runs of panels `CpuKernels.dense` walks side by side (``streams`` of ``hr_dense``): 1,
+    2 or 4, the same bits either way. ``HYBRIDRL_DECODE_STREAMS`` when set; else 2 on Intel CPUs,
+    where one sequential stream of weight reads left the reads and the arithmetic hardly overlapping
+    (SmolLM2's decode steps at 16 rows, one thread, on a Xeon: 60 -> 50 ms), and 1 elsewhere: on
+    the AMD CPUs the kernel was tuned on, two streams are not measured. ``cpuinfo``: /proc/cpuinfo's
+    text (read when None; where there is none, 1)."""
+    value = os.environ.get(STREAMS_ENV, "").strip()
+    if value:
+        if value not in ("1", "2", "4"):
+            raise ValueError(f"{STREAMS_ENV}={value!r}: expected 1, 2 or 4")
+        return int(value)
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return 1
+    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
+    return 2 if vendor == "GenuineIntel" else 1
 
 
 @dataclasses.dataclass
@@ -104,6 +128,7 @@ class CpuKernels:
         # a float16 KV cache (`kv_cache_dtype`): F16C conversions, which SIMD builds have on x86-64
         lib.hr_kv_half_supported.argtypes, lib.hr_kv_half_supported.restype = [], _INT
         self.kv_half_supported = bool(lib.hr_kv_half_supported())
+        self.dense_streams = dense_streams()  # runs of panels `dense` reads side by side
 
     def add_rms_norm(self, hidden: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor, rows: int) -> None:
@@ -187,7 +212,7 @@ class CpuKernels:
         x = x.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
         self._dense(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), torch.get_num_threads())
+                    out.data_ptr(), self.dense_streams, torch.get_num_threads())
         return out
 
     def decode_layers(self, hidden: torch.Tensor, normed: torch.Tensor, rows: int, tables: DecodeTables,
@@ -221,7 +246,8 @@ class CpuKernels:
                             cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
                             p_ptr, p_layer, p_kv, p_row, p_head, src, shared, cos.data_ptr(), signed_sin.data_ptr(),
                             valid.data_ptr(), valid.stride(0), slot, heads, kv_heads, d, scale,
-                            self._half(cache, *(() if prompts is None else (prompts,))), torch.get_num_threads())
+                            self._half(cache, *(() if prompts is None else (prompts,))), self.dense_streams,
+                            torch.get_num_threads())
 
     def select_tokens(self, logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
                       log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:

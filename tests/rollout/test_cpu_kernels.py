@@ -276,6 +276,46 @@ def test_dense_matches_a_float64_matmul(dense_kernels, n, k, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_gives_the_same_bits_for_every_stream_count(dense_kernels, threads, monkeypatch):
+    # the runs of panels walked side by side change which panel is read when, never what a column
+    # sums: 1, 2 and 4 streams must give identical outputs. Panel counts from 1 to 21 (5 columns to
+    # 1000), so runs split evenly and unevenly, and some streams' runs end a panel short; rows in one
+    # tile to past a 64-row block; k under, at and over one chunk
+    gen = torch.Generator().manual_seed(threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(5, 7), (48, 64), (100, 130), (250, 64), (530, 200), (1000, 37)]:
+            weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            packed = dense_kernels.pack_weight(weight)
+            for m in (1, 8, 13, 29, 70):
+                x = torch.randn(m, k, generator=gen)
+                outs = {}
+                for streams in (1, 2, 4):
+                    monkeypatch.setattr(dense_kernels, "dense_streams", streams)
+                    outs[streams] = dense_kernels.dense(x, packed, n, bias)
+                assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[4]), (n, k, m)
+                assert torch.allclose(outs[1], F.linear(x, weight, bias), rtol=1e-4, atol=1e-4), (n, k, m)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("vendor", "streams"), [("GenuineIntel", 2), ("AuthenticAMD", 1), (None, 1)])
+def test_dense_reads_two_streams_on_intel_cpus(vendor, streams, monkeypatch):
+    monkeypatch.delenv(cpu_kernels.STREAMS_ENV, raising=False)
+    cpuinfo = "processor\t: 0\nflags\t\t: avx2\n" + (f"vendor_id\t: {vendor}\n" if vendor else "")
+    assert cpu_kernels.dense_streams(cpuinfo) == streams
+
+
+def test_the_stream_count_can_be_set_and_is_checked(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.STREAMS_ENV, "4")
+    assert cpu_kernels.dense_streams("vendor_id\t: AuthenticAMD\n") == 4
+    monkeypatch.setenv(cpu_kernels.STREAMS_ENV, "3")
+    with pytest.raises(ValueError, match="HYBRIDRL_DECODE_STREAMS='3': expected 1, 2 or 4"):
+        cpu_kernels.dense_streams("vendor_id\t: GenuineIntel\n")
+
+
 def test_dense_packing_is_panels_of_48_columns(dense_kernels):
     weight = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
     packed = dense_kernels.pack_weight(weight).view(2, 3, 48)  # 2 panels x k x 48 columns
