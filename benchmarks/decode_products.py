@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     keep_freed_memory()  # as in a worker: the outputs' pages are not faulted in again every call
     torch.set_num_threads(args.threads)
     config = model_config(args.model)
-    print(f"{args.model} decode products, {args.threads} thread(s), {cpu_description()} ({provenance()})")
+    kernels = cpu_kernels.load()
+    streams = kernels.dense_streams if kernels is not None else "-"
+    print(f"{args.model} decode products, {args.threads} thread(s), {streams} stream(s) ({cpu_kernels.STREAMS_ENV}),"
+          f" {cpu_description()} ({provenance()})")
     bandwidth = peak = None
     if args.rates == "on":
         bandwidth, peak = measure_bandwidth(), measure_peak_flops()

@@ -49,7 +49,7 @@ def dense_streams(cpuinfo: str | None = None) -> int:
     """How many runs of panels `CpuKernels.dense` walks side by side (``streams`` of ``hr_dense``): 1,
     2 or 4, the same bits either way. ``HYBRIDRL_DECODE_STREAMS`` when set; else 2 on Intel CPUs,
     where one sequential stream of weight reads left the reads and the arithmetic hardly overlapping
-    (SmolLM2's decode steps at 16 rows, one thread, on a Xeon: 60 -> 50 ms), and 1 elsewhere: on
+    (SmolLM2's decode steps at 16 rows, one thread, on a Xeon: 55 -> 48 ms), and 1 elsewhere: on
     the AMD CPUs the kernel was tuned on, two streams are not measured. ``cpuinfo``: /proc/cpuinfo's
     text (read when None; where there is none, 1)."""
     value = os.environ.get(STREAMS_ENV, "").strip()
