@@ -794,10 +794,10 @@ static inline __attribute__((always_inline)) void outer_tile(const float *a, int
         for (int v = 0; v < nv; v++) s[r][v] = !acc || r >= rows ? hv_zero() : hv_loadu(c + r * ldc + 16 * v);
     /* Unrolled four steps a turn: the loop's own instructions once per four (the same FMAs in the
      * same order, so the same bits). A Xeon (family 6, model 167), one thread, the cache flushed
-     * before each product, a forward's linears (the two builds alternating in one process, medians): the 25M
-     * model's at 4144 rows 166.9 / 167.1 -> 161.5 / 162.6 ms, the tiny model's at 8346 rows 32.6 /
-     * 33.6 -> 31.0 / 32.5, SmolLM2's at 2048 rows 760 -> 752; the AVX2 build run there 294.5 ->
-     * 281.3 and 54.6 -> 50.0. */
+     * before each product, the two builds alternating in one process, a forward's linears (ms,
+     * medians): the 25M model's at 4144 rows 166.9 / 167.1 -> 161.5 / 162.6, the tiny model's at
+     * 8346 rows 32.6 / 33.6 -> 31.0 / 32.5, SmolLM2's at 2048 rows 760 -> 752; the AVX2 build run
+     * there 294.5 -> 281.3 and 54.6 -> 50.0. */
 #pragma GCC unroll 4
     for (int64_t k = 0; k < n; k++) {
         hv bv[TILE_MAX_NV];

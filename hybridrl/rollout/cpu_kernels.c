@@ -591,10 +591,11 @@ static inline __attribute__((always_inline)) void hr_tile512(const float *const 
     /* Four k steps a turn: the next prefetches' check and the loop's branch once a turn rather than
      * every step (on Intel cores a branch can issue on port 0, one of the two FMA ports). The same
      * FMAs in the same order, so the same bits. On a Xeon (family 6, model 167), one thread, a
-     * decode step's products, ms (processes alternating): the 25M model at 64 rows 20.35 -> 19.61,
-     * at 48 rows 16.08 -> 15.30, the tiny model at 128 rows 1.24 -> 1.16, SmolLM2 at 16 rows 43.9
-     * -> 43.1 (32 rows, two threads, 32.8 -> 31.8); eight steps a turn were no faster. The AVX2
-     * build's passes (hr_part) unrolled alike showed no gain there, and keep one step a turn. */
+     * decode step's products, ms (the two builds alternating in one process): the 25M model at 64
+     * rows 20.35 -> 19.61, at 48 rows 16.08 -> 15.30, the tiny model at 128 rows 1.24 -> 1.16,
+     * SmolLM2 at 16 rows 43.9 -> 43.1 (32 rows, two threads, 32.8 -> 31.8); eight steps a turn were
+     * no faster. The AVX2 build's passes (hr_part) unrolled alike showed no gain there, and keep one
+     * step a turn. */
     int64_t kk = 0;
     for (; kk + 4 <= len; kk += 4) {
         for (int64_t i = 0; i < per4 && issued < lines; i++, issued++)
