@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.utils.native_build import cpu_fields
+
 # Inner products of the kind the update runs (rows, in, out; the weight as stored or as the transposed
 # view an input gradient reads), timed beside the square matmul. A peak is the most the machine
 # does, and the square alone is not that: on a Zen 1 (one thread, best of 20 each, two rounds) the
@@ -129,18 +131,6 @@ class ModelShape:
                    weight_bytes=4 * (layers + head), params=sum(p.numel() for p in model.parameters()))
 
 
-def _cpu_fields(cpuinfo: str | None) -> dict[str, str]:
-    """The first core's ``key: value`` lines of /proc/cpuinfo (read when ``cpuinfo`` is None)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
 def cpu_description(cpuinfo: str | None = None) -> str:
     """The CPU a result was measured on: its name, family and model numbers, vector instructions and
     CPU count, e.g. "AMD EPYC (family 25, model 17), AVX-512, 2 CPUs".
@@ -150,7 +140,7 @@ def cpu_description(cpuinfo: str | None = None) -> str:
     on 256-bit units, Zen 5 210-240): the family and model numbers tell them apart, and the vector
     instructions decide which of hybridrl's kernels run (docs/performance.md). ``cpuinfo``: the text
     of /proc/cpuinfo (read when None; other systems get the platform's processor name)."""
-    fields = _cpu_fields(cpuinfo)
+    fields = cpu_fields(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
@@ -182,7 +172,7 @@ def machine_key(cpuinfo: str | None = None) -> str:
     ``$HYBRIDRL_BENCH_MACHINE`` names it instead (a machine the numbers cannot tell apart)."""
     if os.environ.get("HYBRIDRL_BENCH_MACHINE"):
         return os.environ["HYBRIDRL_BENCH_MACHINE"]
-    fields = _cpu_fields(cpuinfo)
+    fields = cpu_fields(cpuinfo)
     try:
         family, model = int(fields["cpu family"]), int(fields["model"])
     except (KeyError, ValueError):

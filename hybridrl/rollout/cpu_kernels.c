@@ -750,9 +750,12 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
             for (int64_t i = 0; i < run; i++) {
                 /* the streams' i-th panels; the live ones are a prefix (only the last runs fall short) */
                 int64_t ps[HR_MAX_STREAMS];
-                int live = 0;
+                int live = 0, vecs[HR_MAX_STREAMS]; /* vecs: each panel's 8-column vectors with real columns */
                 for (int s = 0; s < ways; s++)
-                    if ((ps[s] = p0 + s * run + i) < p1) live = s + 1;
+                    if ((ps[s] = p0 + s * run + i) < p1) {
+                        live = s + 1;
+                        vecs[s] = n - ps[s] * HR_NR >= HR_NR ? HR_NR / 8 : (int)(n - ps[s] * HR_NR + 7) / 8;
+                    }
                 for (int64_t kc = 0; kc < k; kc += chunk) {
                     int64_t len = k - kc < chunk ? k - kc : chunk, next = 0;
                     /* the chunks read next: each stream's following one, or its next panel's first */
@@ -771,10 +774,9 @@ void hr_dense(const float *x, int64_t m, int64_t k, const float *packed, int64_t
                     int64_t per4 = (4 * lines + passes - 1) / passes, done = 0;
                     for (int s = 0; s < live; s++) {
                         const float *panel = packed + ps[s] * k * HR_NR;
-                        int vecs = n - ps[s] * HR_NR >= HR_NR ? HR_NR / 8 : (int)(n - ps[s] * HR_NR + 7) / 8;
                         for (int64_t tile = 0; tile < tiles; tile++)
                             hr_tile(xr + tile * HR_MR, kc, panel + kc * HR_NR, len, acc[s] + tile * 3 * HR_MR * 16,
-                                    kc == 0, &ahead, lines, per4, &done, vecs, tiles <= HR_L2_TILES);
+                                    kc == 0, &ahead, lines, per4, &done, vecs[s], tiles <= HR_L2_TILES);
                     }
                 }
                 for (int s = 0; s < live; s++) hr_store_panel(acc[s], ps[s], n, bias, out, r0, rows);

@@ -57,13 +57,7 @@ def dense_streams(cpuinfo: str | None = None) -> int:
         if value not in ("1", "2", "4"):
             raise ValueError(f"{STREAMS_ENV}={value!r}: expected 1, 2 or 4")
         return int(value)
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return 1
-    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
-    return 2 if vendor == "GenuineIntel" else 1
+    return 2 if native_build.cpu_fields(cpuinfo).get("vendor_id") == "GenuineIntel" else 1
 
 
 @dataclasses.dataclass

@@ -46,6 +46,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDRL_KERNEL_CACHE") or Path.home() / ".cache" / "hybridrl" / "kernels")
 
 
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first core's ``key: value`` lines of /proc/cpuinfo (read when ``cpuinfo`` is None; none
+    where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def _cpu_id() -> str:
     """The CPU model and instruction-set flags: a library built with -march=native on one machine may
     not run on another sharing the same home directory (an NFS home on a cluster)."""
