@@ -226,6 +226,26 @@ def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floo
     return out
 
 
+def run_fractions(hyb: list[dict], floors: list[dict]) -> dict:
+    """Each run's own fraction of the floor and update MFU, in the order the runs ran: run i's kept
+    steps (the i-th equal share of ``hyb``) against ``floors[i]``, the floor at the rates measured just
+    before that run. The row's own figures pool the steps and take the median of those rates; the
+    rate moves between runs on a shared machine (a Xeon's two measurements of one row read 213 and
+    191 GFLOP/s), and the spread of these is how far the row's figures could move on another
+    sitting. Empty where the kept steps do not split evenly into the runs; the MFUs None where a run
+    had no update."""
+    if not hyb or not floors or len(hyb) % len(floors):
+        return {}
+    kept = len(hyb) // len(floors)
+    fracs, mfus = [], []
+    for i, floor in enumerate(floors):
+        run = hyb[i * kept:(i + 1) * kept]
+        fracs.append(floor["total_s"] / statistics.median(s["timing_s/step"] for s in run))
+        update = statistics.median(phase_times(s)["update_actor"] for s in run)
+        mfus.append(floor["update_flops"] / update / floor["peak_flops"] if update else None)
+    return {"floor_frac_runs": fracs, "update_mfu_runs": None if None in mfus else mfus}
+
+
 def floor_ranks(args) -> int:
     """Ranks the floor splits the step over: the Ray workers, each with ``--threads`` threads on cores
     of its own; the local backend is one rank."""
@@ -265,9 +285,13 @@ def bench_case(case: Case, args, with_ref: bool) -> dict:
     if args.eos:  # the tokens the steps really had; the floor of their mean response length
         tokens = statistics.median(s["perf/total_num_tokens"] for s in hyb)
         r = max(1, round(statistics.median(s["response_length/mean"] for s in hyb)))
-    floor = step_floor(shape, machine, case.n, case.g, p, r, with_ref,
-                       with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
+    def floor_at(rates: Machine) -> dict:
+        return step_floor(shape, rates, case.n, case.g, p, r, with_ref,
+                          with_old=bool(case.mini_batch) and case.mini_batch < case.n, ranks=floor_ranks(args))
+
+    floor = floor_at(machine)
     result = summarize(case, hyb, trl, tokens, floor)
+    result.update(run_fractions(hyb, [floor_at(sample) for sample in samples]))
     result.update(machine=asdict(machine), peak_samples=[m.peak_flops for m in samples],
                   case=asdict(case), with_ref=with_ref, params=shape.params, mean_prompt_tokens=p,
                   tokens_per_step=tokens, floor_s=floor["total_s"], floor_ranks=floor["ranks"],

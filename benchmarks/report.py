@@ -120,6 +120,17 @@ def run_range(row: dict) -> str:
     return f"{low}x" if low == high else f"{low}-{high}x"
 
 
+def fraction_range(row: dict, key: str) -> str:
+    """The row's per-run fractions under ``key`` (``floor_frac_runs``, ``update_mfu_runs``: each run
+    against the rates measured just before it) as "65.5-77.1%"; "" where the file has none (files
+    written before 2026-12-07) or a single run."""
+    runs = row.get(key) or []
+    if len(runs) < 2:
+        return ""
+    low, high = f"{100 * min(runs):.1f}", f"{100 * max(runs):.1f}"
+    return f"{low}%" if low == high else f"{low}-{high}%"
+
+
 def responses(row: dict) -> str:
     """The response tokens of a row: R, or for an ``--eos`` row their mean and the limit ("161 of 256")."""
     if row.get("eos"):
@@ -261,7 +272,9 @@ class Measured:
     # baseline on this machine (the floor over the baseline's time); below the target, no framework
     # can meet it here, whatever it does
     ceiling: float | None = None
-    runs: str = ""  # ratio targets: the ratio of each run pair alone, "1.45-1.53x" (``run_range``)
+    # the figure of each run alone: a ratio target's run pairs, "1.45-1.53x" (``run_range``); a floor or MFU
+    # target's runs against the rates measured before each, "65.5-77.1%" (``fraction_range``)
+    runs: str = ""
 
     @property
     def reachable(self) -> bool:
@@ -296,9 +309,11 @@ def e2e_targets(rows: list[dict]) -> list[Measured]:
             add(f"e2e >= {want}x TRL tokens/s", r, speed, speed >= want, "{:.2f}x", 1.0 / r["trl_floor_frac"],
                 run_range(r))
         if model != "tiny" and r["backend"] == "local" and not r.get("eos"):  # --eos: not the matched step
-            add("e2e >= 75% of floor", r, r["hybridrl_floor_frac"], r["hybridrl_floor_frac"] >= 0.75, "{:.1%}")
+            add("e2e >= 75% of floor", r, r["hybridrl_floor_frac"], r["hybridrl_floor_frac"] >= 0.75, "{:.1%}",
+                runs=fraction_range(r, "floor_frac_runs"))
         if r["update_mfu"] is not None:
-            add("update >= 75% MFU", r, r["update_mfu"], r["update_mfu"] >= 0.75, "{:.1%}")
+            add("update >= 75% MFU", r, r["update_mfu"], r["update_mfu"] >= 0.75, "{:.1%}",
+                runs=fraction_range(r, "update_mfu_runs"))
         if r["case"]["name"] == "quickstart":  # the target's size; the other rows are in the scaling table
             add("controller < 5% of step (quickstart's size)", r, r["controller_frac"], r["controller_frac"] < 0.05,
                 "{:.2%}")
@@ -447,7 +462,10 @@ def render(machines: list[MachineResults]) -> str:
              "rollout's roofline over HF `generate`'s tok/s); where that is below the target, no framework can "
              "meet it on that CPU. A ratio to TRL also shows the ratio of each run pair alone, \"(runs "
              "1.45-1.53x)\": the frameworks alternate run by run, and how far those differ is how far the "
-             "pooled ratio could move on another sitting of the same machine.", "",
+             "pooled ratio could move on another sitting of the same machine. A fraction of the floor or an "
+             "update MFU likewise shows each run's own, \"(runs 65.5-77.1%)\": each run against the matmul "
+             "rate and memory bandwidth measured just before it, where the row's figure takes the median "
+             "of those rates over its runs (rows from files that predate this have none).", "",
              "## Machines", "", machines_table(machines) if machines else "no results yet", "",
              "## Issue 10 targets on each machine", "", targets_summary(machines), "",
              targets_by_machine(machines), "", "## Commands", "", COMMANDS, ""]

@@ -202,6 +202,33 @@ def test_a_row_is_held_to_the_machine_s_rates_during_its_runs():
     assert grpo_bench.machine_during(two_ranks).ranks == 2
 
 
+def test_each_run_is_held_to_the_rates_measured_just_before_it():
+    """A row's floor takes the median of the rates measured before its runs; each run's own fraction
+    of the floor and update MFU use the rates measured just before that run, in the order they ran,
+    so the report can show how far the row's figures move with the machine's rate (a Xeon's two
+    measurements of one row read 213 and 191 GFLOP/s)."""
+    import grpo_bench
+
+    fast, slow = Machine(213e9, 14e9, "cpu"), Machine(191e9, 12e9, "cpu")
+    floors = [step_floor(SHAPE, m, 16, 8, 14.0, 64, False) for m in (fast, slow)]
+
+    def step(total: float, update: float) -> dict:
+        return {"timing_s/step": total, "timing_s/gen": total - update, "timing_s/update_actor": update}
+
+    hyb = [step(0.50, 0.35), step(0.52, 0.36), step(0.60, 0.40), step(0.58, 0.42)]
+    runs = grpo_bench.run_fractions(hyb, floors)
+    assert runs["floor_frac_runs"] == pytest.approx([floors[0]["total_s"] / 0.51, floors[1]["total_s"] / 0.59])
+    assert runs["update_mfu_runs"] == pytest.approx([floors[0]["update_flops"] / 0.355 / 213e9,
+                                                     floors[1]["update_flops"] / 0.41 / 191e9])
+    # the faster measurement holds its run to a nearer floor
+    assert floors[0]["total_s"] < floors[1]["total_s"]
+    # steps that do not split evenly into the runs give nothing rather than a wrong share
+    assert grpo_bench.run_fractions(hyb[:3], floors) == {} and grpo_bench.run_fractions([], floors) == {}
+    # a run without an update (a row that only generates) has no MFU
+    no_update = grpo_bench.run_fractions([step(0.5, 0.0), step(0.5, 0.0), step(0.6, 0.4), step(0.6, 0.4)], floors)
+    assert no_update["update_mfu_runs"] is None and len(no_update["floor_frac_runs"]) == 2
+
+
 def test_trl_runs_at_its_own_thread_count_and_the_driver_s_comes_back(monkeypatch):
     import grpo_bench
 

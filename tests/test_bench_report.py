@@ -160,6 +160,27 @@ def test_each_run_pairs_ratio_is_shown_beside_the_pooled_one(tmp_path):
     assert report.run_speedups({**loaded, "trl_steps": []}) == [] and report.run_range({**loaded, "trl_steps": []}) == ""
 
 
+def test_floor_and_mfu_cells_show_each_run_against_its_own_rates(tmp_path):
+    """A fraction of the floor and an update MFU show each run's own (``floor_frac_runs``,
+    ``update_mfu_runs``) beside the row's; files written before those were kept show none."""
+    results = tmp_path / "results"
+    (results / "zen4").mkdir(parents=True)
+    rec = record(1.61, 0.738, "AMD EPYC (family 25, model 17)")
+    row = rec["rows"][0]
+    row["case"]["model"] = row["case"]["name"] = "25m"
+    row["hybridrl_floor_frac"] = 0.709
+    row.update(floor_frac_runs=[0.6551, 0.7712], update_mfu_runs=[0.70, 0.70])
+    (results / "zen4" / "grpo_25m.json").write_text(json.dumps(rec))
+    machines = report.load_machines(results)
+    table = report.targets_by_machine(machines)
+    assert "| e2e >= 75% of floor | 25m ref=no | 70.9% no (runs 65.5-77.1%) |" in table
+    assert "| update >= 75% MFU | 25m ref=no | 73.8% no (runs 70.0%) |" in table
+    (loaded,) = machines[0].rows
+    assert report.fraction_range(loaded, "floor_frac_runs") == "65.5-77.1%"
+    for older in ({}, {"floor_frac_runs": [0.7]}, {"floor_frac_runs": None}):
+        assert report.fraction_range(older, "floor_frac_runs") == ""
+
+
 def test_the_kv_cache_table_lands_in_its_machines_section(tmp_path):
     results = write_results(tmp_path)
     table = ("# KV cache dtype\n\nNative rollout, float32 vs float16 KV cache, on AMD EPYC.\n\n"
