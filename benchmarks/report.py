@@ -122,8 +122,8 @@ def run_range(row: dict) -> str:
 
 def fraction_range(row: dict, key: str) -> str:
     """The row's per-run fractions under ``key`` (``floor_frac_runs``, ``update_mfu_runs``: each run
-    against the rates measured just before it) as "65.5-77.1%"; "" where the file has none (files
-    written before 2026-12-07) or a single run."""
+    against the rates measured just before it) as "65.5-77.1%"; "" where the file has none (those
+    written before be99500 kept no per-run figures) or a single run."""
     runs = row.get(key) or []
     if len(runs) < 2:
         return ""
