@@ -113,11 +113,16 @@ def run_speedups(row: dict) -> list[float]:
 
 def run_range(row: dict) -> str:
     """``run_speedups`` as "1.45-1.53x" ("1.50x" when they agree to two places); "" when there are none."""
-    runs = run_speedups(row)
-    if not runs:
+    return span(run_speedups(row), "{:.2f}", "x")
+
+
+def span(values: list[float], spec: str, unit: str) -> str:
+    """The least and the most of ``values`` formatted by ``spec``, "1.45-1.53x" (one figure when they
+    agree as formatted); "" for none."""
+    if not values:
         return ""
-    low, high = f"{min(runs):.2f}", f"{max(runs):.2f}"
-    return f"{low}x" if low == high else f"{low}-{high}x"
+    low, high = spec.format(min(values)), spec.format(max(values))
+    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
 def fraction_range(row: dict, key: str) -> str:
@@ -125,10 +130,7 @@ def fraction_range(row: dict, key: str) -> str:
     against the rates measured just before it) as "65.5-77.1%"; "" where the file has none (those
     written before be99500 kept no per-run figures) or a single run."""
     runs = row.get(key) or []
-    if len(runs) < 2:
-        return ""
-    low, high = f"{100 * min(runs):.1f}", f"{100 * max(runs):.1f}"
-    return f"{low}%" if low == high else f"{low}-{high}%"
+    return span([100 * v for v in runs], "{:.1f}", "%") if len(runs) > 1 else ""
 
 
 def responses(row: dict) -> str:
