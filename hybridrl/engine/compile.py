@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from hybridrl.engine.fsdp import block_modules
+from hybridrl.models.loading import without_hub_kernels
 
 __all__ = ["compile_blocks"]
 
@@ -58,6 +59,7 @@ def compile_blocks(model: nn.Module, device: torch.device) -> int:
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise RuntimeError("torch compile on CUDA builds Triton kernels, but triton is not installed; "
                            "install it or set use_torch_compile=false")
+    without_hub_kernels(model)  # else the final norm's compiled forward goes at the first train()
     for module in blocks + _norms_outside(model, blocks):
         module.forward = _without_duck_shapes(torch.compile(module.forward, dynamic=True))
     return len(blocks)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrl.engine import cpu_attention
+from hybridrl.models.loading import without_hub_kernels
 from hybridrl.models.utils import SILU_CLASSES
 from hybridrl.utils.cpu_matmul import OneDNNLinear, fp32_cpu
 
@@ -398,6 +399,7 @@ def use_cpu_layers(model: nn.Module) -> dict[str, int]:
     counts = {"mlp": 0, "norm": 0, "rope": 0, "qkv": 0}
     if not cpu_attention.available():
         return counts
+    without_hub_kernels(model)  # else the norms lose these forwards at the first train() or eval()
     for module in model.modules():
         name = type(module).__name__
         if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES:

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -84,17 +85,22 @@ def load_pretrained(auto_cls, path, dtype, attn_implementation: str, trust_remot
     return without_hub_kernels(model)
 
 
-def without_hub_kernels(model: PreTrainedModel) -> PreTrainedModel:
-    """``model`` with transformers' Hub kernels turned off (``use_kernels = False``), where it has them.
+def without_hub_kernels(model: nn.Module) -> nn.Module:
+    """``model`` with transformers' Hub kernels turned off (``use_kernels = False``) on every model
+    within it that has them.
 
     transformers 5 loads every model with ``use_kernels=True`` when its dependency ``kernels`` is
     installed, and re-kernelizes the layers on each ``train()`` / ``eval()`` that changes the mode.
     The engine switches every step (log-probs under ``eval``, the update under ``train``): a
     ``train()`` and an ``eval()`` of the 25M model took 5.9 ms with them and 3.4 without, and each
-    switch replaced the forwards hybridrl gives its norms (``hybridrl.engine.cpu_layers``) with the
-    class's. hybridrl brings its own CPU kernels, and the Hub's need a download."""
-    if getattr(model, "use_kernels", False):
-        model.use_kernels = False
+    switch replaced the forwards hybridrl gives its norms (``hybridrl.engine.cpu_layers``, and the
+    compiled final norm of ``hybridrl.engine.compile``) with the class's. hybridrl brings its own CPU
+    kernels, and the Hub's need a download. The loaders here call it, and so do ``use_cpu_layers`` and
+    ``compile_blocks`` before they set any forward, for models loaded some other way (a script's own
+    ``from_pretrained`` handed to ``TrainEngine``)."""
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) is True:  # a PreTrainedModel that kernelizes
+            module.use_kernels = False
     return model
 
 

@@ -9,6 +9,7 @@ from transformers.models.qwen2 import modeling_qwen2
 
 from hybridrl.engine import cpu_attention, cpu_layers
 from hybridrl.engine.cpu_layers import interleave_rows, rms_norm, rope, swiglu, swiglu_fused, use_cpu_layers
+from hybridrl.models import make_tiny_model_dir
 from hybridrl.utils.cpu_matmul import use_onednn_linears
 from tests.engine.helpers import build_model, tiny_config
 
@@ -347,6 +348,26 @@ def test_use_cpu_layers_points_the_modeling_modules_rope_at_the_kernel_once():
         finally:
             modeling_qwen2.apply_rotary_pos_emb = patched
     assert torch.equal(ours, theirs)
+
+
+def test_a_loaded_models_layers_keep_the_kernels_through_train_and_eval(tmp_path, monkeypatch):
+    """transformers (with ``kernels`` installed) kernelizes a model ``from_pretrained`` loads, and again
+    at each change between train() and eval(), resetting the RMSNorms' forwards to their class's. A
+    model loaded without hybridrl's loaders (which turn that off) keeps the kernels in every norm and
+    MLP after use_cpu_layers, in either mode."""
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model_dir(tmp_path / "tiny"), dtype=torch.float32)
+    counts = use_cpu_layers(model)
+    assert counts["norm"] == 7 and counts["mlp"] == 3
+    calls = []
+    for name in ("rms_norm", "swiglu_fused"):
+        real = getattr(cpu_attention, name)
+        monkeypatch.setattr(cpu_attention, name, lambda *args, real=real, name=name: calls.append(name) or real(*args))
+    ids = torch.randint(3, 900, (2, 7), generator=torch.Generator().manual_seed(0))
+    for mode in (True, False, True):
+        model.train(mode)
+        calls.clear()
+        model(input_ids=ids)
+        assert calls.count("rms_norm") == counts["norm"] and calls.count("swiglu_fused") == counts["mlp"], mode
 
 
 def test_rope_compiles_with_its_layouts():

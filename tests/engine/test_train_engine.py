@@ -309,6 +309,21 @@ def test_compiled_blocks_do_not_tie_dimensions_that_were_equal_once():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
 
 
+def test_a_loaded_models_final_norm_stays_compiled_through_train_and_eval(tmp_path):
+    # transformers kernelizes a model from_pretrained loads again at each train() / eval() change,
+    # which resets its RMSNorms' forwards to their class's; hybridrl's loaders turn that off, and
+    # compile_blocks does too for a model loaded without them
+    from hybridrl.engine.compile import compile_blocks
+    from hybridrl.models import make_tiny_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model_dir(tmp_path / "tiny"), dtype=torch.float32)
+    compile_blocks(model, torch.device("cpu"))
+    compiled = model.model.norm.forward
+    for mode in (True, False, True):
+        model.train(mode)
+        assert model.model.norm.forward is compiled, mode
+
+
 def test_torch_compile_errors_are_clear(monkeypatch):
     from torch import nn
 
