@@ -75,7 +75,8 @@ def test_the_avx2_kernels_pass_the_kernel_tests_on_an_avx512_machine(tmp_path):
     """Both vector paths of hr_simd.h tested on one machine: the kernel tests again, built for AVX2."""
     env = {"HYBRIDRL_KERNEL_ISA": "avx2", "HYBRIDRL_KERNEL_CACHE": str(tmp_path / "kc")}
     out = _in_subprocess(env, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_cpu_attention.py",
-                         "tests/engine/test_token_stats.py", "tests/rollout/test_cpu_kernels.py")
+                         "tests/engine/test_cpu_layers.py", "tests/engine/test_token_stats.py",
+                         "tests/rollout/test_cpu_kernels.py")
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
     assert " passed" in summary and "skipped" not in summary, summary

@@ -957,15 +957,41 @@ static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
  * with step 16. */
 
 /* h (rows, cols) contiguous = silu(g) u */
+/* Outputs of at least this many floats (8 MB) are written with streaming stores where every row starts
+ * on a cache line: their next reader (the down projection forward, the gate and up products' gradients
+ * backward) finds them in memory either way, and a plain store first reads each line it writes. The
+ * same bits. On an Intel Xeon, one thread, cold operands, medians of 14 alternating: (4144, 1536)
+ * forward 6.23 -> 5.75 ms, the fused gate-up's backward 9.82 -> 8.20, the plain backward 10.37 ->
+ * 8.09; (8346, 384) fused backward 4.98 -> 4.18. Whole 25M updates alternating per step: 4.962 ->
+ * 4.897 s and 4.827 -> 4.807 s (medians of 8 and 14). */
+#define SWIGLU_STREAM_FLOATS (1 << 21)
+
+static inline int swiglu_streams(const float *p, int64_t row_floats, int64_t floats) {
+    return floats >= SWIGLU_STREAM_FLOATS && ((uintptr_t)p & 63) == 0 && (row_floats & 15) == 0;
+}
+
 void hr_swiglu(const float *g, const float *u, int64_t gs, int64_t step, float *h, int64_t rows, int64_t cols,
                int nthreads) {
+    int stream = swiglu_streams(h, cols, rows * cols); /* cols a multiple of 16: no tails */
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
-    for (int64_t r = 0; r < rows; r++) hv_swiglu_row(g + r * gs, u + r * gs, step, h + r * cols, cols);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = g + r * gs, *ur = u + r * gs;
+        float *hr = h + r * cols;
+        if (!stream) {
+            hv_swiglu_row(gr, ur, step, hr, cols);
+            continue;
+        }
+        for (int64_t j = 0, at = 0; j < cols; j += 16, at += step)
+            hv_stream(hr + j, hv_swiglu(hv_loadu(gr + at), hv_loadu(ur + at)));
+    }
+    if (stream) _mm_sfence();
 }
 
 /* dg, du (laid out as g and u): the gradients of hr_swiglu's h for dh (rows, cols) contiguous */
 void hr_swiglu_backward(const float *g, const float *u, int64_t gs, int64_t step, const float *dh, float *dg,
                         float *du, int64_t rows, int64_t cols, int nthreads) {
+    /* every 16 values aligned where the rows are: step a multiple of 16 (tails, masked, store plainly) */
+    int stream = swiglu_streams(dg, gs, rows * cols) && swiglu_streams(du, gs, rows * cols) && (step & 15) == 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
     for (int64_t r = 0; r < rows; r++) {
         const float *gr = g + r * gs, *ur = u + r * gs, *dhr = dh + r * cols;
@@ -974,7 +1000,10 @@ void hr_swiglu_backward(const float *g, const float *u, int64_t gs, int64_t step
         hv a, c;
         for (; j + 16 <= cols; j += 16, at += step) {
             swiglu_backward16(hv_loadu(gr + at), hv_loadu(ur + at), hv_loadu(dhr + j), &a, &c);
-            hv_storeu(dgr + at, a), hv_storeu(dur + at, c);
+            if (stream)
+                hv_stream(dgr + at, a), hv_stream(dur + at, c);
+            else
+                hv_storeu(dgr + at, a), hv_storeu(dur + at, c);
         }
         if (j < cols) {
             hm m = lanes(cols - j);
@@ -982,6 +1011,7 @@ void hr_swiglu_backward(const float *g, const float *u, int64_t gs, int64_t step
             hv_mask_storeu(dgr + at, m, a), hv_mask_storeu(dur + at, m, c);
         }
     }
+    if (stream) _mm_sfence();
 }
 
 /* ------------------------------------------------------------------ RMSNorm

@@ -217,6 +217,33 @@ def test_fused_swiglu_matches_torch(shape):
     _same_on_one_and_two_threads(lambda: both()[0])
 
 
+def test_swiglu_outputs_past_the_streaming_size_are_the_same_floats():
+    """Outputs of 2^21 floats and more are written with streaming stores: the same floats as the same
+    rows in calls below that size, plain and fused, values and gradients."""
+    gen = torch.Generator().manual_seed(11)
+    rows, cols = 1500, 1536  # 2.3 M floats an output; thirds of 0.77 M
+    gate, up, grad = (torch.randn(rows, cols, generator=gen) * s for s in (4.0, 1.0, 1.0))
+    whole, ref = _both(gate, up, grad)
+    thirds = [_both(gate[i:i + 500], up[i:i + 500], grad[i:i + 500])[0] for i in range(0, rows, 500)]
+    for k in range(3):
+        assert torch.equal(whole[k], torch.cat([part[k] for part in thirds]))
+        torch.testing.assert_close(whole[k], ref[k], rtol=2e-6, atol=2e-6)
+
+    gate_up = torch.randn(rows, 2 * cols, generator=gen) * 4
+
+    def fused(x, g):
+        x = x.detach().clone().requires_grad_()
+        out = swiglu_fused(x)
+        out.backward(g)
+        return out.detach(), x.grad
+
+    whole = fused(gate_up, grad)
+    thirds = [fused(gate_up[i:i + 500], grad[i:i + 500]) for i in range(0, rows, 500)]
+    for k in range(2):
+        assert torch.equal(whole[k], torch.cat([part[k] for part in thirds]))
+    torch.testing.assert_close(whole[0], _interleaved_reference(gate_up), rtol=2e-6, atol=2e-6)
+
+
 def test_fused_swiglu_leaves_other_widths_and_dtypes_to_torch():
     x48, x64 = torch.randn(4, 48), torch.randn(4, 64, dtype=torch.float64)
     assert not cpu_attention.swiglu_fused_usable(x48) and not cpu_attention.swiglu_fused_usable(x64)
