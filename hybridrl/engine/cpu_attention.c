@@ -956,7 +956,6 @@ static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
  * a Zen 4, one thread, where the interleaved rows take 1.4.) Tails (cols not a multiple of 16) only
  * with step 16. */
 
-/* h (rows, cols) contiguous = silu(g) u */
 /* Outputs of at least this many floats (8 MB) are written with streaming stores where every row starts
  * on a cache line: their next reader (the down projection forward, the gate and up products' gradients
  * backward) finds them in memory either way, and a plain store first reads each line it writes. The
@@ -970,6 +969,7 @@ static inline int swiglu_streams(const float *p, int64_t row_floats, int64_t flo
     return floats >= SWIGLU_STREAM_FLOATS && ((uintptr_t)p & 63) == 0 && (row_floats & 15) == 0;
 }
 
+/* h (rows, cols) contiguous = silu(g) u */
 void hr_swiglu(const float *g, const float *u, int64_t gs, int64_t step, float *h, int64_t rows, int64_t cols,
                int nthreads) {
     int stream = swiglu_streams(h, cols, rows * cols); /* cols a multiple of 16: no tails */

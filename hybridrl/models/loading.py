@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -85,7 +85,10 @@ def load_pretrained(auto_cls, path, dtype, attn_implementation: str, trust_remot
     return without_hub_kernels(model)
 
 
-def without_hub_kernels(model: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def without_hub_kernels(model: ModuleT) -> ModuleT:
     """``model`` with transformers' Hub kernels turned off (``use_kernels = False``) on every model
     within it that has them.
 
