@@ -334,6 +334,22 @@ def step_floor(shape: ModelShape, machine: Machine, n: int, g: int, p: float, r:
             "peak_flops": machine.peak_flops * ranks, "ranks": ranks}
 
 
+def against_floor(step_s: float, update_s: float, floor: dict) -> tuple[float, float | None]:
+    """(fraction of the floor, update MFU) of a step taking ``step_s`` with its update ``update_s``,
+    against ``step_floor``'s ``floor``; the MFU None without an update."""
+    return (floor["total_s"] / step_s,
+            floor["update_flops"] / update_s / floor["peak_flops"] if update_s else None)
+
+
+def split_runs(values: list, runs: int) -> list[list] | None:
+    """``values`` (the kept steps of ``runs`` runs, in the order they ran) as one list per run; None
+    where there are none or they do not split evenly."""
+    if not values or runs < 1 or len(values) % runs:
+        return None
+    each = len(values) // runs
+    return [values[i * each:(i + 1) * each] for i in range(runs)]
+
+
 PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "controller", "dispatch")
 # phases that are calls on the worker group (timed by the driver, so their time includes the dispatch)
 WORKER_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")

@@ -41,7 +41,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import PHASES, WORKER_PHASES, Machine, ModelShape, provenance, results_dir, step_floor  # noqa: E402
+from floor import (  # noqa: E402
+    PHASES,
+    WORKER_PHASES,
+    Machine,
+    ModelShape,
+    against_floor,
+    provenance,
+    results_dir,
+    split_runs,
+    step_floor,
+)
 
 LR, KL_COEF, WEIGHT_DECAY, GRAD_CLIP = 1e-6, 0.001, 0.01, 1.0
 RATE_REPS = 10  # runs of each peak product per backend in each measurement before a run (the file's first: 20)
@@ -203,13 +213,13 @@ def phase_times(step: dict) -> dict[str, float]:
 def summarize(case: Case, hyb: list[dict], trl: list[float], tokens: float, floor: dict) -> dict:
     hyb_step = statistics.median(s["timing_s/step"] for s in hyb)
     phases = {p: statistics.median(phase_times(s)[p] for s in hyb) for p in PHASES}
+    # the MFU against the matmul rate of every rank of the case together (``step_floor``)
+    floor_frac, update_mfu = against_floor(hyb_step, phases["update_actor"], floor)
     out = {
         "hybridrl_step_s": hyb_step, "hybridrl_tok_s": tokens / hyb_step,
-        "hybridrl_floor_frac": floor["total_s"] / hyb_step,
+        "hybridrl_floor_frac": floor_frac,
         "phases_s": phases, "phase_floor_s": floor["seconds"],
-        # against the matmul rate of every rank of the case together (``step_floor``)
-        "update_mfu": (floor["update_flops"] / phases["update_actor"] / floor["peak_flops"]
-                       if phases["update_actor"] else None),
+        "update_mfu": update_mfu,
         "padding_efficiency": statistics.median(1.0 / s["actor/padding_ratio"] for s in hyb
                                                 if s.get("actor/padding_ratio")) if hyb else None,
         # update positions computed per real token: below 1 where the group's prompt is computed once
@@ -234,15 +244,15 @@ def run_fractions(hyb: list[dict], floors: list[dict]) -> dict:
     191 GFLOP/s), and the spread of these is how far the row's figures could move on another
     sitting. Empty where the kept steps do not split evenly into the runs; the MFUs None where a run
     had no update."""
-    if not hyb or not floors or len(hyb) % len(floors):
+    runs = split_runs(hyb, len(floors))
+    if not runs:
         return {}
-    kept = len(hyb) // len(floors)
     fracs, mfus = [], []
-    for i, floor in enumerate(floors):
-        run = hyb[i * kept:(i + 1) * kept]
-        fracs.append(floor["total_s"] / statistics.median(s["timing_s/step"] for s in run))
-        update = statistics.median(phase_times(s)["update_actor"] for s in run)
-        mfus.append(floor["update_flops"] / update / floor["peak_flops"] if update else None)
+    for run, floor in zip(runs, floors):
+        frac, mfu = against_floor(statistics.median(s["timing_s/step"] for s in run),
+                                  statistics.median(phase_times(s)["update_actor"] for s in run), floor)
+        fracs.append(frac)
+        mfus.append(mfu)
     return {"floor_frac_runs": fracs, "update_mfu_runs": None if None in mfus else mfus}
 
 

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from floor import split_runs
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PHASE_NAMES = {"gen": "generation", "reward": "reward", "old_log_prob": "old log-probs", "ref": "ref log-probs",
@@ -104,11 +106,11 @@ def run_speedups(row: dict) -> list[float]:
     the order they ran; [] without TRL or where the kept steps do not split evenly into the runs.
     The frameworks alternate run by run, so each pair saw the machine in about the same state, and
     their spread is how far the pooled median's ratio could move on another sitting."""
-    hyb, trl, reps = row.get("hybridrl_steps") or [], row.get("trl_steps") or [], row["record"].get("reps", 0)
-    if not (hyb and trl and reps) or len(hyb) % reps or len(trl) % reps:
+    reps = row["record"].get("reps", 0)
+    hyb, trl = split_runs(row.get("hybridrl_steps") or [], reps), split_runs(row.get("trl_steps") or [], reps)
+    if not (hyb and trl):
         return []
-    h, t = len(hyb) // reps, len(trl) // reps
-    return [statistics.median(trl[i * t:(i + 1) * t]) / statistics.median(hyb[i * h:(i + 1) * h]) for i in range(reps)]
+    return [statistics.median(t) / statistics.median(h) for h, t in zip(hyb, trl)]
 
 
 def run_range(row: dict) -> str:
