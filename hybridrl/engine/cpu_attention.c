@@ -663,9 +663,16 @@ int hr_attention_backward(HR_OPERANDS, const float *out, const float *dout, cons
  * 15-16 ms forward + 14 ms backward to 15-16 + 4.5 ms (a Zen 1, one thread, medians of 15). The
  * logits are not kept for the backward, the exponentials are (the same size). */
 
-/* Exponentials and gradients of at least this many floats (8 MB) are written with streaming stores:
- * their next reader finds them in memory either way, and a plain store first reads each line. */
-#define TOKEN_STREAM_FLOATS (1 << 21)
+/* Outputs of at least this many floats (8 MB) are written with streaming stores where every row starts
+ * on a cache line (the exponentials and gradients here, the transposes, SwiGLU's outputs below): their
+ * next reader finds them in memory either way, and a plain store first reads each line it writes.
+ * Smaller outputs stay in the cache for whatever reads them next. */
+#define STREAM_FLOATS (1 << 21)
+
+/* Whether an output at p of `floats` floats in rows of `row_floats` takes the streaming stores. */
+static inline int streams_output(const float *p, int64_t row_floats, int64_t floats) {
+    return floats >= STREAM_FLOATS && ((uintptr_t)p & 63) == 0 && (row_floats & 15) == 0;
+}
 
 /* out[i] = (z[i][t_i] - max_i) - log(sum_i), sum_i = sum_j exp(z[i][j] - max_i), as torch's log_softmax
  * rounds it; stats[i] = (max_i, sum_i) for the backward; exps (rows, V), unless NULL, = exp(z - max_i);
@@ -674,7 +681,7 @@ int hr_attention_backward(HR_OPERANDS, const float *out, const float *dout, cons
  * product and sum were four more passes over the logits). logits (rows, V) contiguous. */
 void hr_token_logprob(const float *logits, const int64_t *targets, int64_t rows, int64_t V, float *out, float *stats,
                       float *exps, float *entropy, int nthreads) {
-    int stream = exps && rows * V >= TOKEN_STREAM_FLOATS && ((uintptr_t)exps & 63) == 0 && (V & 15) == 0;
+    int stream = exps && streams_output(exps, V, rows * V);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *z = logits + i * V;
@@ -708,7 +715,7 @@ static inline hv add_at(hv x, int64_t lane, float v) {
  * exponentials. */
 void hr_token_logprob_backward(const float *exps, const int64_t *targets, const float *stats, const float *grad,
                                int64_t rows, int64_t V, float *d, int nthreads) {
-    int stream = rows * V >= TOKEN_STREAM_FLOATS && ((uintptr_t)d & 63) == 0 && (V & 15) == 0;
+    int stream = streams_output(d, V, rows * V);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *e = exps + i * V;
@@ -730,21 +737,17 @@ void hr_token_logprob_backward(const float *exps, const int64_t *targets, const 
     if (stream) _mm_sfence();
 }
 
-/* Outputs of at least this many floats (8 MB) are written with streaming stores: every 64-byte store
- * of a block lands on another line, which a plain store first reads; the SmolLM2 LM head's gradient
- * (512 x 49152) took 40 ms so, 12.5 with them (torch's copy 24). Smaller outputs stay in the cache
- * for the product that reads them next. */
-#define TRANSPOSE_STREAM_FLOATS (1 << 21)
-
 /* out (cols, rows) = the transpose of x (rows, cols), row stride xs, in 16 x 16 blocks through
  * registers: the weight gradients' inner products read one operand transposed (hybridrl/utils/
  * cpu_matmul.py), and torch's copy of a transposed view ran at 9-21 GB/s where a copy runs at 35-110.
  * A block's 16 rows are 16 streams the hardware prefetcher does not keep ahead of: the next block's
  * rows are requested a few lines per column block ((8288, 384) 1.5 -> 0.6 ms, (4144, 1536) 2.5 ->
- * 1.5 ms with the streaming stores, best of 9). */
+ * 1.5 ms with the streaming stores, best of 9). Large outputs stream (`streams_output`): every 64-byte
+ * store of a block lands on another line, which a plain store first reads; the SmolLM2 LM head's
+ * gradient (512 x 49152) took 40 ms so, 12.5 with them (torch's copy 24). */
 void hr_transpose(const float *x, int64_t rows, int64_t cols, int64_t xs, float *out, int nthreads) {
     int64_t row_blocks = (rows + 15) / 16;
-    int stream = rows * cols >= TRANSPOSE_STREAM_FLOATS && ((uintptr_t)out & 63) == 0 && (rows & 15) == 0;
+    int stream = streams_output(out, rows, rows * cols);
     int64_t lines = (cols * 4 + 63) / 64, per = 16 * ((lines + 15) / 16); /* all of them in 16 column blocks */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < row_blocks; b++) {
@@ -956,34 +959,18 @@ static inline void swiglu_backward16(hv g, hv u, hv dh, hv *dg, hv *du) {
  * a Zen 4, one thread, where the interleaved rows take 1.4.) Tails (cols not a multiple of 16) only
  * with step 16. */
 
-/* Outputs of at least this many floats (8 MB) are written with streaming stores where every row starts
- * on a cache line: their next reader (the down projection forward, the gate and up products' gradients
- * backward) finds them in memory either way, and a plain store first reads each line it writes. The
- * same bits. On an Intel Xeon, one thread, cold operands, medians of 14 alternating: (4144, 1536)
- * forward 6.23 -> 5.75 ms, the fused gate-up's backward 9.82 -> 8.20, the plain backward 10.37 ->
- * 8.09; (8346, 384) fused backward 4.98 -> 4.18. Whole 25M updates alternating per step: 4.962 ->
- * 4.897 s and 4.827 -> 4.807 s (medians of 8 and 14). */
-#define SWIGLU_STREAM_FLOATS (1 << 21)
-
-static inline int swiglu_streams(const float *p, int64_t row_floats, int64_t floats) {
-    return floats >= SWIGLU_STREAM_FLOATS && ((uintptr_t)p & 63) == 0 && (row_floats & 15) == 0;
-}
+/* Large outputs stream (`streams_output`): their next reader (the down projection forward, the gate and
+ * up products' gradients backward) finds them in memory. The same bits. On an Intel Xeon, one thread,
+ * cold operands, medians of 14 alternating: (4144, 1536) forward 6.23 -> 5.75 ms, the fused gate-up's
+ * backward 9.82 -> 8.20, the plain backward 10.37 -> 8.09; (8346, 384) fused backward 4.98 -> 4.18.
+ * Whole 25M updates alternating per step: 4.962 -> 4.897 s and 4.827 -> 4.807 s (medians of 8 and 14). */
 
 /* h (rows, cols) contiguous = silu(g) u */
 void hr_swiglu(const float *g, const float *u, int64_t gs, int64_t step, float *h, int64_t rows, int64_t cols,
                int nthreads) {
-    int stream = swiglu_streams(h, cols, rows * cols); /* cols a multiple of 16: no tails */
+    int stream = streams_output(h, cols, rows * cols);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gr = g + r * gs, *ur = u + r * gs;
-        float *hr = h + r * cols;
-        if (!stream) {
-            hv_swiglu_row(gr, ur, step, hr, cols);
-            continue;
-        }
-        for (int64_t j = 0, at = 0; j < cols; j += 16, at += step)
-            hv_stream(hr + j, hv_swiglu(hv_loadu(gr + at), hv_loadu(ur + at)));
-    }
+    for (int64_t r = 0; r < rows; r++) hv_swiglu_row(g + r * gs, u + r * gs, step, h + r * cols, cols, stream);
     if (stream) _mm_sfence();
 }
 
@@ -991,7 +978,7 @@ void hr_swiglu(const float *g, const float *u, int64_t gs, int64_t step, float *
 void hr_swiglu_backward(const float *g, const float *u, int64_t gs, int64_t step, const float *dh, float *dg,
                         float *du, int64_t rows, int64_t cols, int nthreads) {
     /* every 16 values aligned where the rows are: step a multiple of 16 (tails, masked, store plainly) */
-    int stream = swiglu_streams(dg, gs, rows * cols) && swiglu_streams(du, gs, rows * cols) && (step & 15) == 0;
+    int stream = streams_output(dg, gs, rows * cols) && streams_output(du, gs, rows * cols) && (step & 15) == 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 4 * SWIGLU_BLOCK)
     for (int64_t r = 0; r < rows; r++) {
         const float *gr = g + r * gs, *ur = u + r * gs, *dhr = dh + r * cols;

@@ -116,7 +116,7 @@ void hr_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, 
         const float *u = g + width;
         float *o = out + r * width;
 #if HR_SIMD
-        hv_swiglu_row(g, u, 16, o, width);
+        hv_swiglu_row(g, u, 16, o, width, 0);
 #else
         for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 #endif

@@ -222,10 +222,17 @@ static inline hv hv_exp_neg(hv g) { return hv_exp_le88(hv_sub(hv_zero(), g)); }
 static inline hv hv_swiglu(hv g, hv u) { return hv_div(hv_mul(g, u), hv_add(hv_set1(1.f), hv_exp_neg(g))); }
 
 /* h[j] = silu(g[j]) u[j] for j < cols, values j .. j + 15 (j a multiple of 16) at g + (j / 16) step and
- * u likewise: step 16 reads contiguous values, 32 the update's interleaved gate-up rows */
-static inline void hv_swiglu_row(const float *g, const float *u, int64_t step, float *h, int64_t cols) {
+ * u likewise: step 16 reads contiguous values, 32 the update's interleaved gate-up rows. `stream`:
+ * written with streaming stores (h on a cache line, cols a multiple of 16; the caller fences). */
+static inline void hv_swiglu_row(const float *g, const float *u, int64_t step, float *h, int64_t cols, int stream) {
     int64_t j = 0, at = 0;
-    for (; j + 16 <= cols; j += 16, at += step) hv_storeu(h + j, hv_swiglu(hv_loadu(g + at), hv_loadu(u + at)));
+    for (; j + 16 <= cols; j += 16, at += step) {
+        hv x = hv_swiglu(hv_loadu(g + at), hv_loadu(u + at));
+        if (stream)
+            hv_stream(h + j, x);
+        else
+            hv_storeu(h + j, x);
+    }
     if (j < cols) {
         hm m = lanes(cols - j);
         hv_mask_storeu(h + j, m, hv_swiglu(hv_maskz_loadu(m, g + at), hv_maskz_loadu(m, u + at)));
