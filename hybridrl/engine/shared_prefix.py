@@ -42,6 +42,8 @@ outside the call that sets up the split.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +72,16 @@ class _Share:
     heads: torch.Tensor
 
 
-def _head_forward(head: nn.Module, share: _Share):
+def _head_forward(head: nn.Module, share: _Share, forward: Callable[[torch.Tensor], torch.Tensor] | None):
     """A forward for the LM head ``head`` during ``shared_prompt_logits``: from the flat sequence's
-    hidden states it takes each row's prompt's last position followed by the row's own and runs the
-    head's own forward once on all of them, ``(b, fed + 1, E)``."""
-    forward = type(head).forward
+    hidden states it takes each row's prompt's last position followed by the row's own and runs
+    ``forward`` (the head's own where None) once on all of them, ``(b, fed + 1, E)``."""
+    if forward is None:
+        forward = functools.partial(type(head).forward, head)
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.squeeze(0).index_select(0, share.heads.view(-1)).view(*share.heads.shape, hidden.shape[-1])
-        return forward(head, rows)
+        return forward(rows)
 
     return head_forward
 
@@ -172,10 +175,13 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
 
 def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          position_ids: torch.Tensor, response_length: int, prompt_lens: torch.Tensor,
-                         response_lens: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor]
+                         response_lens: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor],
+                         head_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
                          ) -> tuple[torch.Tensor, int]:
     """Logits ``(b, R_mb, V)`` whose position ``j`` predicts response token ``j`` of each row
-    (``R_mb = max(r_i) >= 2``), and the number of token positions computed.
+    (``R_mb = max(r_i) >= 2``), and the number of token positions computed. ``head_forward`` replaces
+    the LM head's forward on those ``(b, R_mb, E)`` hidden states (``fused_head.head_forward``), and
+    what it returns comes back in place of the logits.
 
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``(b, P + R)`` as the rollout produced them:
     prompt left-padded to ``P``, response right-padded to ``R = response_length``."""
@@ -210,7 +216,7 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     head = model.get_output_embeddings()
     _active = _Share(index=index, prompt_mask=prompt_mask, response_mask=response_mask, heads=heads)
     config._attn_implementation = ATTENTION_NAME
-    head.forward = _head_forward(head, _active)  # the instance's own, over its class's, until finally
+    head.forward = _head_forward(head, _active, head_forward)  # the instance's own, over its class's, until finally
     try:
         out = model(input_ids=flat_ids, position_ids=flat_pos, use_cache=False)
     finally:

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from hybridrl.engine import checkpoint as ckpt
-from hybridrl.engine import cpu_attention
+from hybridrl.engine import cpu_attention, fused_head
 from hybridrl.engine.compile import compile_blocks
 from hybridrl.engine.cpu_layers import use_cpu_layers
 from hybridrl.engine.distributed import all_reduce_max, default_device
@@ -103,6 +104,14 @@ class TrainEngine:
             under autocast as at world size 1). A size between that divides the world size shards
             within groups of that many ranks, replicated across the groups (HSDP).
         reshard_after_forward, forward_prefetch: FSDP2's, when sharded (``fsdp.shard_model``).
+        fused_log_probs: verl's ``use_fused_kernels``: the response log-probs and entropy come
+            straight from the last hidden states, a chunk of logits at a time, and no logits-sized
+            tensor is kept for the backward (``hybridrl.engine.fused_head``); models it does not
+            support take the usual path with a warning.
+        entropy_chunking, entropy_checkpointing: verl's ``entropy_from_logits_with_chunking`` and
+            ``entropy_checkpointing``, for the entropy with a graph (``entropy_coeff != 0``) on the
+            usual path: computed ``ENTROPY_CHUNK_ROWS`` positions at a time, and recomputed in the
+            backward instead of keeping its softmax (``_entropy``).
     """
 
     def __init__(
@@ -129,6 +138,9 @@ class TrainEngine:
         fsdp_size: int = -1,
         reshard_after_forward: bool = True,
         forward_prefetch: bool = False,
+        fused_log_probs: bool = False,
+        entropy_chunking: bool = False,
+        entropy_checkpointing: bool = False,
     ):
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
@@ -178,6 +190,8 @@ class TrainEngine:
         # decided once: the model's type, attention and checkpointing do not change after this point
         self._shares_prompts = (share_prompts and model_type == "causal_lm" and self._keeps_logits
                                 and shareable(model))
+        self._fused = fused_log_probs and model_type == "causal_lm" and _fusable(model)
+        self._entropy = {"chunking": entropy_chunking, "checkpointing": entropy_checkpointing}
 
     # ------------------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -356,10 +370,18 @@ class TrainEngine:
                 kwargs["logits_to_keep"] = packed.input_ids.shape[1] - first_col
             else:
                 first_col = 0
-            with self._autocast():
-                output = self.model(**kwargs, use_cache=False)
-            logits = output.logits if hasattr(output, "logits") else output
-            outputs = _token_stats(logits, packed, first_col, batch["responses"], temperature, calculate_entropy)
+            responses = batch["responses"]
+            if self._fused:
+                targets = _column_targets(responses, packed, first_col, packed.input_ids.shape[1] - first_col)
+                with self._autocast(), fused_head.fused_call(self.model, targets, temperature, calculate_entropy):
+                    output = self.model(**kwargs, use_cache=False)
+                outputs = _aligned(_fused_columns(output, calculate_entropy), packed, first_col)
+            else:
+                with self._autocast():
+                    output = self.model(**kwargs, use_cache=False)
+                logits = output.logits if hasattr(output, "logits") else output
+                outputs = _token_stats(logits, packed, first_col, responses, temperature, calculate_entropy,
+                                       **self._entropy)
         else:
             with self._autocast():
                 output = self.model(**kwargs)
@@ -382,12 +404,20 @@ class TrainEngine:
             return None  # every rank makes the same model calls (FSDP gathers in each): all share or none
         if groups is None:
             return None
-        with self._autocast():
-            logits, computed = shared_prompt_logits(self.model, ids, mask, position_ids, response_len, p, r, groups)
-        # position j of the logits predicts response token j: the alignment of a row whose prompt is one token
+        # position j of the head's output predicts response token j: the alignment of a row whose prompt is one token
         aligned = PackedRows(input_ids=responses, attention_mask=mask, position_ids=position_ids,
                              prompt_lens=torch.ones_like(p), response_lens=r)
-        outputs = _token_stats(logits, aligned, 0, responses, temperature, calculate_entropy)
+        head = None
+        if self._fused:
+            targets = _column_targets(responses, aligned, 0, int(r.max()))
+            head = fused_head.head_forward(self.model.get_output_embeddings(), targets, temperature, calculate_entropy)
+        with self._autocast():
+            logits, computed = shared_prompt_logits(self.model, ids, mask, position_ids, response_len, p, r, groups,
+                                                    head_forward=head)
+        if self._fused:
+            outputs = _aligned(_fused_columns(logits, calculate_entropy), aligned, 0)
+        else:
+            outputs = _token_stats(logits, aligned, 0, responses, temperature, calculate_entropy, **self._entropy)
         first = groups[0]
         needed = int(p[first].sum()) + int((r - 1).clamp(min=0).sum())
         return {k: _pad_right(v, response_len) for k, v in outputs.items()}, (computed, int((p + r).sum()), needed)
@@ -474,13 +504,16 @@ def _token_stats(
     responses: torch.Tensor,
     temperature: float,
     calculate_entropy: bool,
+    chunking: bool = False,
+    checkpointing: bool = False,
 ) -> dict[str, torch.Tensor]:
     """log-probs (and entropy) ``(b, R_mb)`` of the response tokens from ``logits (b, W', V)``.
 
     Computed per packed column, for the response token that column predicts (placed there from
     ``responses``), then the small ``(b, W')`` results are aligned to the responses: no
     ``(b, R, V)`` copy of the logits is made, and the backward pass writes one ``(b, W', V)``
-    gradient (see ``_NextTokenLogProb``).
+    gradient (see ``_NextTokenLogProb``). ``chunking`` / ``checkpointing``: how an entropy with a
+    graph is computed (``_entropy``).
     """
     logits = logits.float()
     if temperature != 1.0:
@@ -494,13 +527,68 @@ def _token_stats(
     else:
         per_col = {"log_probs": _NextTokenLogProb.apply(logits, targets, torch.is_grad_enabled())}
         if calculate_entropy:
-            # softmax kernels here too (see _NextTokenLogProb): -sum(p log p) = logsumexp - sum(p z)
-            per_col["entropy"] = -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
+            per_col["entropy"] = _entropy(logits, chunking, checkpointing)
+    return _aligned(per_col, packed, first_col)
+
+
+def _aligned(per_col: dict[str, torch.Tensor], packed: PackedRows, first_col: int) -> dict[str, torch.Tensor]:
+    """Per-column ``(b, W')`` results aligned to the responses ``(b, R_mb)``, 0 where a row has no token."""
     out = {}
     for key, value in per_col.items():
         aligned, valid = gather_response(value, packed, first_col)
         out[key] = torch.where(valid, aligned, 0.0)
     return out
+
+
+def _fused_columns(output: Any, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+    """The per-column log-probs (and entropy) from a model call whose LM head ran ``fused_head.head_forward``."""
+    stats = output.logits if hasattr(output, "logits") else output
+    per_col = {"log_probs": stats[..., 0]}
+    if calculate_entropy:
+        per_col["entropy"] = stats[..., 1]
+    return per_col
+
+
+# positions per entropy chunk under entropy_chunking (verl's entropy_from_logits_with_chunking: 2048)
+ENTROPY_CHUNK_ROWS = 2048
+
+
+def _entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    # torch's softmax kernels (see _NextTokenLogProb): -sum(p log p)
+    return -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
+
+
+def _entropy(logits: torch.Tensor, chunking: bool, checkpointing: bool) -> torch.Tensor:
+    """Each position's entropy from ``logits (..., V)``, with autograd where it records: whole, or
+    ``ENTROPY_CHUNK_ROWS`` positions at a time (``chunking``: the softmax and log-softmax temporaries
+    are a chunk's, not the logits' size), and with ``checkpointing`` each part under
+    ``torch.utils.checkpoint``, which keeps only the logits for the backward and computes the
+    softmax again there (with a graph, a plain entropy keeps two logits-sized tensors)."""
+    if not (chunking or checkpointing):
+        return _entropy_of(logits)
+    rows = logits.reshape(-1, logits.shape[-1])
+    step = ENTROPY_CHUNK_ROWS if chunking else max(1, rows.shape[0])
+    parts = []
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        if checkpointing and torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_entropy_of, part, use_reentrant=False))
+        else:
+            parts.append(_entropy_of(part))
+    if not parts:
+        return logits.new_zeros(logits.shape[:-1])
+    return torch.cat(parts).view(logits.shape[:-1])
+
+
+def _fusable(model: nn.Module) -> bool:
+    """Whether ``fused_head`` takes ``model``; warns where it was asked for and does not."""
+    if fused_head.supported(model):
+        return True
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    warnings.warn(f"use_fused_kernels: hybridrl's fused log-probs support model types {fused_head.SUPPORTED_MODEL_TYPES} "
+                  f"with a linear LM head, not {model_type!r}; its log-probs are computed from the full logits",
+                  stacklevel=3)
+    return False
 
 
 def _column_targets(responses: torch.Tensor, packed: PackedRows, first_col: int, width: int) -> torch.Tensor:

@@ -88,8 +88,21 @@ def run(out: Path, rank: int, world: int) -> dict:
     # rank 1 has no shared prompts: both ranks must then run the full rows (same model calls, no hang)
     mixed = sharing.forward(grouped[group_rows] if rank == 0 else make_batch(batch_size=6, seed=24))
     group_step = sharing.train_step(grouped[group_rows], pg_loss_fn(int(grouped.batch["response_mask"].sum())))
+    # verl's use_fused_kernels under FSDP2: the head's product inside the root module's forward,
+    # its weight gradient reduce-scattered with the rest; full rows and shared prompts
+    fused = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, fused_log_probs=True)
+    fused_fwd = fused.forward(local, temperature=0.7, calculate_entropy=True, max_token_len=BUDGET)
+    fused_steps = [fused.train_step(local, pg_loss_fn(tokens[0]), max_token_len=BUDGET),
+                   fused.train_step(local2, pg_loss_fn(tokens[1]), micro_batch_size=2)]
+    fused_sharing = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, fused_log_probs=True)
+    fused_group_fwd = fused_sharing.forward(grouped[group_rows], calculate_entropy=True)
+    fused_group_step = fused_sharing.train_step(grouped[group_rows], pg_loss_fn(int(grouped.batch["response_mask"].sum())))
     return {
-        "group_rows": group_rows, "group_log_probs": group_fwd.batch["log_probs"], "group_step": group_step,
+        "fused_log_probs": fused_fwd.batch["log_probs"], "fused_entropy": fused_fwd.batch["entropy"],
+        "fused_steps": fused_steps, "fused_params": params_of(fused.model),
+        "fused_group_log_probs": fused_group_fwd.batch["log_probs"], "fused_group_entropy": fused_group_fwd.batch["entropy"],
+        "fused_group_step": fused_group_step,
+        "group_rows": group_rows, "group_log_probs": group_fwd.batch["log_probs"], "group_entropy": group_fwd.batch["entropy"], "group_step": group_step,
         "group_tokens": (group_fwd.meta_info["computed_tokens"], group_fwd.meta_info["real_tokens"]),
         "mixed_log_probs": mixed.batch["log_probs"], "mixed_computed": mixed.meta_info["computed_tokens"],
         "rows": rows, "log_probs": fwd.batch["log_probs"], "entropy": fwd.batch["entropy"],

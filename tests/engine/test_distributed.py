@@ -122,6 +122,25 @@ def test_losses_grad_norms_and_params_match_world_size_1(two_ranks, single):
         torch.testing.assert_close(full, single["params"][name], rtol=0, atol=1e-5)
 
 
+def test_fused_log_probs_under_fsdp2_match_world_size_1(two_ranks, single):
+    """use_fused_kernels over 2 sharded ranks: the same log-probs, entropy, losses, gradient norms and
+    parameters as the usual path at world size 1, with full rows and with shared prompts."""
+    ranks, _ = two_ranks
+    for res in ranks:
+        torch.testing.assert_close(res["fused_log_probs"], single["fwd"].batch["log_probs"][res["rows"]], rtol=0, atol=2e-6)
+        torch.testing.assert_close(res["fused_entropy"], single["fwd"].batch["entropy"][res["rows"]], rtol=0, atol=2e-6)
+        for step, got in zip(("m1", "m2"), res["fused_steps"]):
+            assert got["loss"] == pytest.approx(single[step]["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5)
+    for name, full in ranks[0]["fused_params"].items():
+        torch.testing.assert_close(full, single["params"][name], rtol=0, atol=1e-5)
+    for res in ranks:  # against the usual path's shared prompts on the same ranks
+        torch.testing.assert_close(res["fused_group_log_probs"], res["group_log_probs"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(res["fused_group_entropy"], res["group_entropy"], rtol=0, atol=2e-6)
+        assert res["fused_group_step"]["loss"] == pytest.approx(res["group_step"]["loss"], rel=1e-5)
+        assert res["fused_group_step"]["grad_norm"] == pytest.approx(res["group_step"]["grad_norm"], rel=1e-5)
+
+
 def test_iter_full_params_gives_full_shapes_on_every_rank(two_ranks, single):
     ranks, _ = two_ranks
     want = {n: tuple(p.shape) for n, p in single["params"].items()}

@@ -289,6 +289,19 @@ def test_torch_compile_gives_the_eager_numbers_with_any_micro_batch_shape():
     compiled.forward(other, micro_batch_size=5)
     compiled.train_step(other, pg_loss_fn(int(other.batch["response_mask"].sum())), micro_batch_size=4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # fused log-probs (use_fused_kernels) replace the LM head, which no graph contains: the same
+    # numbers as the eager engine's first step, and nothing compiled anew
+    fused = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, gradient_checkpointing=True, torch_compile=True,
+                        fused_log_probs=True)
+    first = TrainEngine(build_model(), lr=1e-3, grad_clip=0.5, gradient_checkpointing=True)
+    want = first.forward(data, temperature=0.7, calculate_entropy=True, max_token_len=40)
+    got = fused.forward(data, temperature=0.7, calculate_entropy=True, max_token_len=40)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got.batch[key], want.batch[key], rtol=0, atol=1e-5)
+    tokens = int(data.batch["response_mask"].sum())
+    a, b = (e.train_step(data, pg_loss_fn(tokens), max_token_len=40) for e in (first, fused))
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_blocks_do_not_tie_dimensions_that_were_equal_once():
