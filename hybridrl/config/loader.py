@@ -259,6 +259,9 @@ def _apply_outside_schema(op: Override, key: str, errors: list[str], origin: str
     elif op.op == "delete" or verl_compat.is_noop(entry, op.value):
         if entry.accepts == verl_compat.WARN:
             warnings.warn(f"{origin} {op.text!r}: {key} has no effect in hybridrl: {entry.reason}", ConfigWarning, stacklevel=4)
+    elif entry.otherwise == verl_compat.WARN:
+        warnings.warn(f"{origin} {op.text!r}: {key}={op.value!r} has no effect in hybridrl: {entry.reason}",
+                      ConfigWarning, stacklevel=4)
     else:
         allowed = "" if entry.accepts == verl_compat.NEVER else f" (only {' or '.join(map(repr, entry.accepts))} is accepted)"
         errors.append(f"{origin} {op.text!r}: {key} is not supported by hybridrl: {entry.reason}{allowed}")

@@ -94,6 +94,11 @@ class FSDPConfig:
 
 
 @dataclass(frozen=True)
+class FusedKernelOptions:
+    impl_backend: str = opt("torch", "verl's choice of fused-kernel implementation; hybridrl has one (torch ops, its own kernels for fp32 CPU) and runs it for either", ("torch", "triton"))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = opt("~/models/deepseek-llm-7b-chat", "policy model: a Hugging Face folder or hub id")
     tokenizer_path: str | None = opt(None, "tokenizer folder (null: the model path)")
@@ -104,6 +109,8 @@ class ModelConfig:
     use_remove_padding: bool = opt(False, "pack sequences without padding for forward/backward")
     share_prompt_prefix: bool = opt(True, "compute a prompt shared by several rows of a micro-batch (the n samples of GRPO) once, in training and log-prob forwards (Llama/Qwen2/Qwen3 with sdpa, no activation checkpointing)")
     trust_remote_code: bool = opt(False, "allow the model's remote code")
+    use_fused_kernels: bool = opt(False, "log-probs and entropy of the actor and reference straight from the last hidden states, a chunk of logits at a time: no logits-sized tensor kept for backward (Llama/Mistral/Qwen2/Qwen3; others warn and use the full logits)")
+    fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "options of use_fused_kernels")
 
 
 # ---------------------------------------------------------------------------------------------- actor
@@ -153,6 +160,8 @@ class ActorConfig:
     loss_scale_factor: float | None = opt(None, "divisor of seq-mean-token-sum-norm (null: response length R)")
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
     calculate_entropy: bool = opt(False, "compute entropy even when entropy_coeff is 0 (for the metric)")
+    entropy_from_logits_with_chunking: bool = opt(False, "compute the entropy with a graph 2048 positions at a time (smaller softmax temporaries)")
+    entropy_checkpointing: bool = opt(False, "recompute the entropy's softmax in backward instead of keeping it (one logits-sized tensor less per micro batch)")
     use_kl_loss: bool = opt(False, "add KL(policy || ref) to the loss (GRPO style)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss")
     kl_loss_type: str = opt("low_var_kl", "KL estimator of the KL loss", KL_TYPES)

@@ -5,8 +5,10 @@ Nothing here is silently dropped:
 - ``RENAMED``: an old verl key path is moved to its new path, with a ``ConfigWarning``.
 - ``UNSUPPORTED``: each pattern (``fnmatch``, ``*`` spans dots) says why. ``accepts`` is the value(s)
   that mean "feature off", which hybridrl already does, so verl scripts that spell out the default
-  still load; any other value is an error with the reason. ``WARN`` accepts any value with a warning
-  (knobs that only tune performance of something hybridrl does another way). ``NEVER`` always errors.
+  still load; any other value is an error with the reason, or where ``otherwise`` is ``WARN`` loads
+  with a warning that it has no effect (switches of verl's kernels that hybridrl does its own way).
+  ``WARN`` accepts any value with a warning (knobs that only tune performance of something hybridrl
+  does another way). ``NEVER`` always errors.
 - ``UNSUPPORTED_VALUES``: supported keys whose particular verl values are not implemented.
 """
 
@@ -38,6 +40,7 @@ class Unsupported:
     pattern: str
     accepts: Any  # NEVER, WARN, or a tuple of no-op values
     reason: str
+    otherwise: str = NEVER  # other values than ``accepts``: NEVER an error, WARN a warning
 
 
 _MEGATRON = "the Megatron-LM backend is not implemented; hybridrl trains with FSDP2 (strategy=fsdp|fsdp2)"
@@ -68,12 +71,15 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("*.exclude_modules", WARN, _LORA + "; exclude_modules only matters with lora_rank > 0"),
     Unsupported("*.lora.*", NEVER, _LORA),
     Unsupported("*.lora_adapter_path", (None,), _LORA),
-    Unsupported("*.use_liger", (False,), "Liger kernels are not integrated"),
-    Unsupported("*.use_fused_kernels", (False,), "verl's fused log-prob kernels are not integrated"),
+    Unsupported("*.use_liger", (False,), "Liger's Triton kernels are not integrated; hybridrl's own fused CPU kernels "
+                "(RMSNorm, SwiGLU, RoPE, attention) run where they apply", otherwise=WARN),
+    Unsupported("*.use_fused_kernels", (False,), "fused log-probs apply to the policy: set actor_rollout_ref.model.use_fused_kernels"),
     Unsupported("*.fused_kernel_options.*", WARN, _PERF),
     Unsupported("*.use_torch_compile", WARN, _PERF),
-    Unsupported("*.entropy_from_logits_with_chunking", (False,), "chunked entropy is not implemented"),
-    Unsupported("*.entropy_checkpointing", (False,), "entropy recomputation is not implemented"),
+    Unsupported("actor_rollout_ref.ref.entropy_*", (False,), "the reference policy computes log-probs only, no entropy",
+                otherwise=WARN),
+    Unsupported("*.entropy_from_logits_with_chunking", (False,), "chunked entropy is implemented for the actor only"),
+    Unsupported("*.entropy_checkpointing", (False,), "entropy recomputation is implemented for the actor only"),
     Unsupported("*.fsdp_config.forward_only", WARN, "set by hybridrl per role"),
     Unsupported("*.fsdp_config.strategy", WARN, "the strategy key of the role decides"),
     Unsupported("*.fsdp_config.model_dtype_for_rollout", NEVER, "rollout dtype is actor_rollout_ref.rollout.dtype"),

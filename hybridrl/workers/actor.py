@@ -51,7 +51,10 @@ class ActorWorker(Worker):
                                    total_steps=total_training_steps, updates_per_step=self.updates_per_step,
                                    fsdp_config=self.actor.fsdp_config,
                                    torch_compile=self.actor.use_torch_compile,
-                                   share_prompts=arr.model.share_prompt_prefix)
+                                   share_prompts=arr.model.share_prompt_prefix,
+                                   fused_log_probs=arr.model.use_fused_kernels,
+                                   entropy_chunking=self.actor.entropy_from_logits_with_chunking,
+                                   entropy_checkpointing=self.actor.entropy_checkpointing)
         self.policy_params = PolicyLossParams(
             clip_ratio=self.actor.clip_ratio, clip_ratio_low=self.actor.clip_ratio_low,
             clip_ratio_high=self.actor.clip_ratio_high, clip_ratio_c=self.actor.clip_ratio_c,

@@ -45,8 +45,9 @@ def sharding(fsdp_config) -> dict:
 
 def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps: int, updates_per_step: int,
                  fsdp_config, model_type: str = "causal_lm", torch_compile: bool = False,
-                 share_prompts: bool = True) -> TrainEngine:
-    """A TrainEngine from an ``optim`` and an ``fsdp_config`` config section.
+                 share_prompts: bool = True, **options) -> TrainEngine:
+    """A TrainEngine from an ``optim`` and an ``fsdp_config`` config section; ``options`` go to the
+    engine as they are (e.g. ``fused_log_probs``).
 
     The engine steps its LR schedule once per optimizer step; verl's schedules count training
     steps, so warm-up and horizon are scaled by the optimizer steps in one training step.
@@ -66,6 +67,7 @@ def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps
         torch_compile=torch_compile,
         share_prompts=share_prompts,
         **sharding(fsdp_config),
+        **options,
     )
 
 

@@ -24,7 +24,8 @@ class RefWorker(Worker):
         model.requires_grad_(False)
         # lr 0 and no optimizer steps: the engine is used for its sharded, padding-free forward.
         self.engine = TrainEngine(model, lr=0.0, torch_compile=self.ref.use_torch_compile,
-                                  share_prompts=arr.model.share_prompt_prefix, **sharding(self.ref.fsdp_config))
+                                  share_prompts=arr.model.share_prompt_prefix, fused_log_probs=arr.model.use_fused_kernels,
+                                  **sharding(self.ref.fsdp_config))
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -27,7 +27,7 @@ def test_check_reports_ok_and_errors(capsys):
 
 def test_warnings_go_to_stderr(capsys):
     assert hybridrl_main(["config", "check", "--preset", "grpo_quickstart", "trainer.device=cpu",
-                          "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]) == 0
+                          "actor_rollout_ref.actor.fsdp_config.use_orig_params=True"]) == 0
     assert "warning: " in capsys.readouterr().err
 
 

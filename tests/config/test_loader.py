@@ -148,7 +148,32 @@ def test_noop_values_of_unsupported_keys_load_and_warn_keys_warn():
                 "actor_rollout_ref.actor.fsdp_config.grad_offload=False", "actor_rollout_ref.hybrid_engine=True")
     assert cfg.actor_rollout_ref.rollout.n == 4
     with pytest.warns(ConfigWarning, match="fused_kernel_options.impl_backend has no effect"):
-        quick("actor_rollout_ref.model.fused_kernel_options.impl_backend=torch")
+        quick("reward_model.model.fused_kernel_options.impl_backend=torch")
+
+
+def test_verl_kernel_switches_load():
+    """verl scripts' kernel switches: fused log-probs and the entropy options are hybridrl's own;
+    use_liger=True loads with a warning that says it has no effect; the reference's entropy options
+    likewise (it computes no entropy); fused kernels for other roles stay an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = quick("actor_rollout_ref.model.use_fused_kernels=True",
+                    "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+                    "actor_rollout_ref.actor.entropy_from_logits_with_chunking=True",
+                    "actor_rollout_ref.actor.entropy_checkpointing=True",
+                    "actor_rollout_ref.ref.entropy_checkpointing=False")
+    assert cfg.actor_rollout_ref.model.use_fused_kernels is True
+    assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "triton"
+    assert cfg.actor_rollout_ref.actor.entropy_from_logits_with_chunking is True
+    assert cfg.actor_rollout_ref.actor.entropy_checkpointing is True
+    with pytest.warns(ConfigWarning, match=r"use_liger=True has no effect in hybridrl: Liger's Triton kernels"):
+        quick("actor_rollout_ref.model.use_liger=True")
+    with pytest.warns(ConfigWarning, match=r"ref.entropy_from_logits_with_chunking=True has no effect.*no entropy"):
+        quick("actor_rollout_ref.ref.entropy_from_logits_with_chunking=True")
+    with pytest.raises(ConfigError, match=r"critic.model.use_fused_kernels is not supported.*actor_rollout_ref.model"):
+        quick("critic.model.use_fused_kernels=True")
+    with pytest.raises(ConfigError, match="impl_backend"):
+        quick("actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda")
 
 
 def test_renamed_verl_keys_move_with_a_warning():

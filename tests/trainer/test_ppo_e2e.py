@@ -134,3 +134,38 @@ def test_next_generation_sent_with_the_update_changes_nothing(assets, tmp_path, 
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step, key, a[key], b[key])
     # the loader's epoch after drawing a step's batch (it names the next batch's): 2 after steps 4 and 5
     assert [straight[step]["training/epoch"] for step in (4, 5, 6)] == [2.0, 2.0, 3.0]
+
+
+def test_verl_kernel_switches_give_the_usual_numbers(assets, tmp_path, monkeypatch):
+    """A verl script's kernel switches run: use_fused_kernels (the actor's update, its old log-probs
+    and the reference's from the hidden states), entropy chunking and checkpointing with an entropy
+    bonus, and use_liger (a warning: it has no effect). Every logged metric matches the run without them."""
+    import warnings
+
+    from hybridrl.config import ConfigWarning
+
+    extra = {"trainer.n_cpu_workers": 1, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "trainer.backend": "local", "actor_rollout_ref.actor.entropy_coeff": 0.01,
+             "actor_rollout_ref.actor.ppo_epochs": 2}  # a second epoch: old log-probs are computed
+    switches = {"actor_rollout_ref.model.use_fused_kernels": True,
+                "actor_rollout_ref.actor.entropy_from_logits_with_chunking": True,
+                "actor_rollout_ref.actor.entropy_checkpointing": True}
+    run(config(assets, tmp_path / "usual", **extra))
+    with pytest.warns(ConfigWarning, match="use_liger=True has no effect"):
+        cfg = config(assets, tmp_path / "switched", **extra, **switches, **{"actor_rollout_ref.model.use_liger": True})
+    from hybridrl.engine import fused_head
+
+    calls, head_log_probs = [], fused_head.head_log_probs
+    monkeypatch.setattr(fused_head, "head_log_probs", lambda *a, **k: calls.append(a[0].shape) or head_log_probs(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the tiny Qwen2 takes the fused path: no fallback warning
+        run(cfg)
+    # per step (8 rows, one rank): old and reference log-probs 2 micro-batches each, the update 2 epochs x 4
+    assert len(calls) == 2 * (2 + 2 + 2 * 4), len(calls)
+    usual, switched = read_metrics(tmp_path / "usual"), read_metrics(tmp_path / "switched")
+    assert sorted(usual) == sorted(switched) == [1, 2]
+    for step in (1, 2):
+        a, b = comparable(usual[step]), comparable(switched[step])
+        assert a.keys() == b.keys() and "actor/entropy" in a
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
