@@ -44,15 +44,16 @@ class Schema:
 
     root: the frozen root dataclass; its ``trainer`` section must have ``device``, ``nnodes``,
     ``n_gpus_per_node`` and ``n_cpu_workers`` (device resolution and world-size arithmetic).
-    validate: ``cfg -> list of problems``. find_unsupported / renamed / unsupported_values: the verl
-    keys and values outside ``root`` (see ``verl_compat``). global_micro: deprecated global micro-batch
-    keys folded into per-device keys.
+    validate: ``cfg -> list of problems``. find_unsupported / renamed / aliases / unsupported_values:
+    the verl keys and values outside ``root`` (see ``verl_compat``). global_micro: deprecated global
+    micro-batch keys folded into per-device keys.
     """
 
     root: type
     validate: Callable[[Any], list[str]]
     find_unsupported: Callable[[str], verl_compat.Unsupported | None] = verl_compat.find_unsupported
     renamed: Mapping[str, str] = dataclasses.field(default_factory=lambda: verl_compat.RENAMED)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=lambda: verl_compat.ALIASES)
     unsupported_values: Mapping[tuple[str, Any], str] = dataclasses.field(
         default_factory=lambda: verl_compat.UNSUPPORTED_VALUES)
     global_micro: tuple[tuple[str, str], ...] = DEPRECATED_GLOBAL_MICRO
@@ -173,6 +174,7 @@ def _apply(tree: DictConfig, op: Override, errors: list[str], origin: str, schem
         new = schema.renamed[key]
         warnings.warn(f"{origin} {op.text!r}: {key} was renamed in verl to {new}; using {new}", ConfigWarning, stacklevel=3)
         key = new
+    key = schema.aliases.get(key, key)
     info = keyspace.lookup(key, schema.root)
     if info.kind == "section" and isinstance(op.value, dict):
         for sub_key, sub_value in _flatten(op.value, key + ".", schema.root):

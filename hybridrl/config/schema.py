@@ -107,7 +107,7 @@ class ModelConfig:
     override_config: dict[str, Any] = opt({}, "entries overriding the model's HF config (add with +key=value)")
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
     use_remove_padding: bool = opt(False, "pack sequences without padding for forward/backward")
-    share_prompt_prefix: bool = opt(True, "compute a prompt shared by several rows of a micro-batch (the n samples of GRPO) once, in training and log-prob forwards (Llama/Qwen2/Qwen3 with sdpa, no activation checkpointing)")
+    share_prompt_prefix: bool = opt(True, "compute a prompt shared by several rows of a micro-batch (the n samples of GRPO) once, in training and log-prob forwards (Llama/Qwen2/Qwen3 with sdpa, no activation checkpointing); verl's actor.use_prefix_grouper sets it")
     trust_remote_code: bool = opt(False, "allow the model's remote code")
     use_fused_kernels: bool = opt(False, "log-probs and entropy of the actor and reference straight from the last hidden states, a chunk of logits at a time: no logits-sized tensor kept for backward (Llama/Mistral/Qwen2/Qwen3; others warn and use the full logits)")
     fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions, "options of use_fused_kernels")

@@ -230,6 +230,7 @@ SFT_SCHEMA = Schema(
     validate_sft,
     find_unsupported=find_unsupported_sft,
     renamed=RENAMED_SFT,
+    aliases={},
     unsupported_values=UNSUPPORTED_VALUES_SFT,
     global_micro=(),
 )

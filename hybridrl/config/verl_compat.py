@@ -3,6 +3,7 @@
 Nothing here is silently dropped:
 
 - ``RENAMED``: an old verl key path is moved to its new path, with a ``ConfigWarning``.
+- ``ALIASES``: a verl key whose setting is a hybridrl key of another name, moved there silently.
 - ``UNSUPPORTED``: each pattern (``fnmatch``, ``*`` spans dots) says why. ``accepts`` is the value(s)
   that mean "feature off", which hybridrl already does, so verl scripts that spell out the default
   still load; any other value is an error with the reason, or where ``otherwise`` is ``WARN`` loads
@@ -32,6 +33,12 @@ RENAMED: dict[str, str] = {
     "critic.forward_micro_batch_size": "critic.ppo_micro_batch_size",
     "ray_init.num_cpus": "ray_kwargs.ray_init.num_cpus",
     "ray_init.timeline_json_file": "ray_kwargs.timeline_json_file",
+}
+
+# verl's switch for computing a group's shared prompt once (PrefixGrouper) is hybridrl's
+# share_prompt_prefix, which is on by default: true keeps it on, false turns it off as in verl
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.actor.use_prefix_grouper": "actor_rollout_ref.model.share_prompt_prefix",
 }
 
 
@@ -85,7 +92,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("*.fsdp_config.model_dtype_for_rollout", NEVER, "rollout dtype is actor_rollout_ref.rollout.dtype"),
     Unsupported("actor_rollout_ref.hybrid_engine", (True,), "actor, rollout and ref are always colocated (the hybrid engine)"),
     Unsupported("actor_rollout_ref.actor.freeze_vision_tower", (False,), _MM),
-    Unsupported("actor_rollout_ref.actor.use_prefix_grouper", (False,), "shared-prefix forward is not implemented"),
     Unsupported("actor_rollout_ref.actor.router_replay.*", WARN, "MoE router replay is not implemented"),
     Unsupported("actor_rollout_ref.actor.tau_pos", WARN, "SAPO (loss_mode=sapo) is not implemented"),
     Unsupported("actor_rollout_ref.actor.tau_neg", WARN, "SAPO (loss_mode=sapo) is not implemented"),

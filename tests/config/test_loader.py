@@ -176,6 +176,17 @@ def test_verl_kernel_switches_load():
         quick("actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda")
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_verl_prefix_grouper_sets_shared_prompts(value):
+    """verl's actor.use_prefix_grouper (a group's prompt computed once) is hybridrl's
+    model.share_prompt_prefix, on by default: the verl key sets it either way, without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = quick(f"actor_rollout_ref.actor.use_prefix_grouper={value}")
+    assert cfg.actor_rollout_ref.model.share_prompt_prefix is value
+    assert quick().actor_rollout_ref.model.share_prompt_prefix is True
+
+
 def test_renamed_verl_keys_move_with_a_warning():
     with pytest.warns(ConfigWarning, match="renamed"):
         cfg = quick("actor_rollout_ref.actor.optim.warmup_style=cosine", "ray_init.num_cpus=2")
