@@ -370,18 +370,8 @@ class TrainEngine:
                 kwargs["logits_to_keep"] = packed.input_ids.shape[1] - first_col
             else:
                 first_col = 0
-            responses = batch["responses"]
-            if self._fused:
-                targets = _column_targets(responses, packed, first_col, packed.input_ids.shape[1] - first_col)
-                with self._autocast(), fused_head.fused_call(self.model, targets, temperature, calculate_entropy):
-                    output = self.model(**kwargs, use_cache=False)
-                outputs = _aligned(_fused_columns(output, calculate_entropy), packed, first_col)
-            else:
-                with self._autocast():
-                    output = self.model(**kwargs, use_cache=False)
-                logits = output.logits if hasattr(output, "logits") else output
-                outputs = _token_stats(logits, packed, first_col, responses, temperature, calculate_entropy,
-                                       **self._entropy)
+            outputs = self._causal_outputs(kwargs, packed, first_col, batch["responses"], temperature,
+                                           calculate_entropy)
         else:
             with self._autocast():
                 output = self.model(**kwargs)
@@ -389,6 +379,20 @@ class TrainEngine:
             outputs = {"values": torch.where(valid, values.float(), 0.0)}
         real = packed.real_tokens
         return {k: _pad_right(v, response_len) for k, v in outputs.items()}, (packed.computed_tokens, real, real)
+
+    def _causal_outputs(self, kwargs: dict, packed: PackedRows, first_col: int, responses: torch.Tensor,
+                        temperature: float, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+        """The causal LM's call on the packed rows and its response log-probs (and entropy), aligned
+        to the responses: from its logits, or with fused log-probs from its LM head (``fused_head``)."""
+        if not self._fused:
+            with self._autocast():
+                output = self.model(**kwargs, use_cache=False)
+            logits = output.logits if hasattr(output, "logits") else output
+            return _token_stats(logits, packed, first_col, responses, temperature, calculate_entropy, **self._entropy)
+        targets = _column_targets(responses, packed, first_col, packed.input_ids.shape[1] - first_col)
+        with self._autocast(), fused_head.fused_call(self.model, targets, temperature, calculate_entropy):
+            output = self.model(**kwargs, use_cache=False)
+        return _aligned(_fused_columns(output, calculate_entropy), packed, first_col)
 
     def _shared_prompt_stats(self, batch: dict, position_ids: torch.Tensor, temperature: float,
                              calculate_entropy: bool) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]] | None:
