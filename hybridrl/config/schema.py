@@ -59,6 +59,7 @@ class DataConfig:
     max_prompt_length: int = opt(512, "P: maximum prompt length in tokens (prompts are left-padded to it)")
     max_response_length: int = opt(512, "R: maximum response length in tokens")
     train_batch_size: int = opt(1024, "N: prompts per training step")
+    gen_batch_size: int = opt(ref(".train_batch_size"), "prompts per generation batch (DAPO: with algorithm.filter_groups.enable, batches are generated until N prompts are kept; otherwise it must equal train_batch_size)")
     val_batch_size: int | None = opt(None, "prompts per validation batch (null: the whole validation set at once)")
     return_raw_input_ids: bool = opt(False, "also return the un-templated prompt token ids (when the reward model's tokenizer differs)")
     return_raw_chat: bool = opt(False, "also return the raw chat messages (needed by async/multi-turn rollout)")
@@ -313,6 +314,7 @@ class OverlongBufferConfig:
     len: int = opt(0, "length of the penalty buffer before max_response_length")
     penalty_factor: float = opt(1.0, "penalty at the full buffer length")
     log: bool = opt(False, "log the overlong penalty")
+    max_response_length: int | None = opt(None, "the length the buffer ends at (null: data.max_response_length; verl's reward_kwargs.max_resp_len)")
 
 
 @dataclass(frozen=True)

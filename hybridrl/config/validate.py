@@ -60,6 +60,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("data.max_prompt_length", _positive, ">= 1"),
     ("data.max_response_length", _positive, ">= 1"),
     ("data.train_batch_size", _positive, ">= 1"),
+    ("data.gen_batch_size", _positive, ">= 1"),
     ("data.val_batch_size", _positive, ">= 1 or null"),
     ("data.dataloader_num_workers", lambda v: v >= 0, ">= 0"),
     ("actor_rollout_ref.rollout.n", _positive, ">= 1"),
@@ -219,6 +220,11 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     if algo.filter_groups.enable and arr.rollout.n < 2:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 "
                       "(groups of one sample never vary and would all be dropped)")
+    if cfg.data.gen_batch_size != cfg.data.train_batch_size and not algo.filter_groups.enable:
+        errors.append(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size="
+                      f"{cfg.data.train_batch_size}, which only DAPO's dynamic sampling uses "
+                      "(algorithm.filter_groups.enable=true: generate until train_batch_size prompts are kept); "
+                      "without it each step trains on one generation batch: set the two equal")
     if arr.rollout.kv_cache_dtype != "auto" and arr.rollout.name != "native":
         errors.append(f"actor_rollout_ref.rollout.kv_cache_dtype={arr.rollout.kv_cache_dtype} is the native engine's; "
                       f"rollout.name={arr.rollout.name} keeps its own cache (vLLM: +actor_rollout_ref.rollout.vllm."
@@ -237,9 +243,12 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
         warnings.warn(f"reward_model.overlong_buffer.enable=true with reward_model.reward_manager="
                       f"{cfg.reward_model.reward_manager}: hybridrl applies the overlong penalty with any manager, "
                       "verl only with reward_manager=dapo (set it to compare runs)", ConfigWarning, stacklevel=4)
-    if overlong.enable and not 0 < overlong.len <= cfg.data.max_response_length:
-        errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in [1, data.max_response_length="
-                      f"{cfg.data.max_response_length}] when overlong_buffer.enable=true")
+    buffer_end = overlong.max_response_length or cfg.data.max_response_length
+    if overlong.enable and not 0 < overlong.len <= buffer_end:
+        errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in [1, {buffer_end}] "
+                      "(overlong_buffer.max_response_length, else data.max_response_length) when overlong_buffer.enable=true")
+    if overlong.max_response_length is not None and overlong.max_response_length < 1:
+        errors.append(f"reward_model.overlong_buffer.max_response_length={overlong.max_response_length} must be >= 1 or null")
     if arr.actor.use_kl_loss and algo.use_kl_in_reward:
         warnings.warn("both actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are true: "
                       "the KL to the reference policy is applied twice", ConfigWarning, stacklevel=4)

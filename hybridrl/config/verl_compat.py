@@ -33,12 +33,20 @@ RENAMED: dict[str, str] = {
     "critic.forward_micro_batch_size": "critic.ppo_micro_batch_size",
     "ray_init.num_cpus": "ray_kwargs.ray_init.num_cpus",
     "ray_init.timeline_json_file": "ray_kwargs.timeline_json_file",
+    "actor_rollout_ref.model.use_rmpad": "actor_rollout_ref.model.use_remove_padding",
+    "critic.model.use_rmpad": "critic.model.use_remove_padding",
+    "reward_model.model.use_rmpad": "reward_model.model.use_remove_padding",
 }
 
 # verl's switch for computing a group's shared prompt once (PrefixGrouper) is hybridrl's
 # share_prompt_prefix, which is on by default: true keeps it on, false turns it off as in verl
 ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.use_prefix_grouper": "actor_rollout_ref.model.share_prompt_prefix",
+    # verl's DAPO recipe configures its reward manager through reward_kwargs; hybridrl's overlong
+    # penalty is the reward_model.overlong_buffer section, with any manager
+    **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward_model.overlong_buffer.{key}"
+       for key in ("enable", "len", "penalty_factor", "log")},
+    "reward_model.reward_kwargs.max_resp_len": "reward_model.overlong_buffer.max_response_length",
 }
 
 

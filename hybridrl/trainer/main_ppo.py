@@ -36,7 +36,8 @@ def build_dataset(config, tokenizer, files) -> RLHFDataset:
 
 def build_loaders(config, tokenizer) -> tuple[PromptDataLoader, PromptDataLoader | None]:
     data = config.data
-    train = PromptDataLoader(build_dataset(config, tokenizer, data.train_files), data.train_batch_size,
+    # a batch of the loader is one generation batch (DAPO's dynamic sampling may draw several a step)
+    train = PromptDataLoader(build_dataset(config, tokenizer, data.train_files), data.gen_batch_size,
                              shuffle=data.shuffle, seed=data.seed)
     if not data.val_files:
         return train, None
@@ -53,7 +54,7 @@ def build_reward_manager(config, tokenizer, for_validation: bool = False) -> Rew
     overlong = None
     if rm.overlong_buffer.enable and not for_validation:
         overlong = OverlongBuffer(length=rm.overlong_buffer.len, penalty_factor=rm.overlong_buffer.penalty_factor,
-                                  max_response_length=config.data.max_response_length)
+                                  max_response_length=rm.overlong_buffer.max_response_length or config.data.max_response_length)
     return RewardManager(tokenizer, compute_score=fn, reward_kwargs=dict(custom.reward_kwargs),
                          num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                          on_error=config.reward.on_error, overlong_buffer=overlong,

@@ -176,6 +176,41 @@ def test_verl_kernel_switches_load():
         quick("actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda")
 
 
+def test_dapo_recipe_reward_kwargs_set_the_overlong_buffer():
+    """verl's DAPO recipe passes its overlong penalty to the reward manager as reward_kwargs;
+    they land in reward_model.overlong_buffer, silently, and the buffer ends at max_resp_len."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = quick("data.max_response_length=64", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                    "+reward_model.reward_kwargs.max_resp_len=48", "reward_model.reward_manager=dapo")
+    buffer = cfg.reward_model.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor, buffer.log, buffer.max_response_length) == (
+        True, 16, 0.5, False, 48)
+    assert quick().reward_model.overlong_buffer.max_response_length is None  # data.max_response_length
+    with pytest.raises(ConfigError, match=r"overlong_buffer.len=50 must be in \[1, 48\]"):
+        quick("reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=50",
+              "reward_model.overlong_buffer.max_response_length=48")
+    with pytest.raises(ConfigError, match="reward_model.reward_kwargs.unknown_knob"):
+        quick("+reward_model.reward_kwargs.unknown_knob=1")
+
+
+def test_gen_batch_size_defaults_to_train_batch_size_and_needs_dynamic_sampling_to_differ():
+    assert quick("data.train_batch_size=8").data.gen_batch_size == 8
+    cfg = quick("data.train_batch_size=8", "data.gen_batch_size=24", "algorithm.filter_groups.enable=true")
+    assert (cfg.data.train_batch_size, cfg.data.gen_batch_size) == (8, 24)
+    with pytest.raises(ConfigError, match="data.gen_batch_size=24 differs from data.train_batch_size=8"):
+        quick("data.train_batch_size=8", "data.gen_batch_size=24")
+
+
+def test_old_verl_use_rmpad_is_renamed():
+    with pytest.warns(ConfigWarning, match="use_rmpad was renamed in verl to actor_rollout_ref.model.use_remove_padding"):
+        cfg = quick("actor_rollout_ref.model.use_rmpad=True", "critic.model.use_rmpad=True")
+    assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.critic.model.use_remove_padding
+
+
 @pytest.mark.parametrize("value", [True, False])
 def test_verl_prefix_grouper_sets_shared_prompts(value):
     """verl's actor.use_prefix_grouper (a group's prompt computed once) is hybridrl's

@@ -92,3 +92,20 @@ def test_score_and_seq_reward_metrics():
     assert len(batch) == 4
     trainer = make_trainer([[1, 0, 1, 0]], metric="seq_reward")
     assert np.allclose(trainer.collect_batch(Timer(), {}).batch["token_level_scores"].sum(-1).numpy(), [1, 0, 1, 0])
+
+
+def test_generation_batches_hold_gen_batch_size_prompts(tmp_path):
+    """verl's data.gen_batch_size (the DAPO recipe's 3 x train_batch_size): each batch the real
+    prompt loader hands the trainer, one generation batch, holds that many prompts; a step still
+    trains on train_batch_size of them, and an epoch has dataset / gen_batch_size steps."""
+    from e2e_helpers import config, make_assets
+
+    from hybridrl.trainer.main_ppo import build_loaders, load_prompt_tokenizer, total_training_steps
+
+    assets = make_assets(tmp_path)  # 64 training prompts
+    cfg = config(assets, tmp_path / "run", **{"data.gen_batch_size": 8, "algorithm.filter_groups.enable": True,
+                                              "trainer.total_training_steps": "null"})
+    assert (cfg.data.train_batch_size, cfg.data.gen_batch_size) == (4, 8)
+    train, _ = build_loaders(cfg, load_prompt_tokenizer(cfg))
+    assert [len(batch) for batch, _ in zip(train, range(3))] == [8, 8, 8]
+    assert total_training_steps(cfg, train) == 64 // 8 * cfg.trainer.total_epochs
