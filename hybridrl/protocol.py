@@ -305,11 +305,12 @@ class DataProto:
     def make_iterator(
         self, mini_batch_size: int, epochs: int = 1, seed: int | None = None, shuffle: bool = True
     ) -> Iterator[DataProto]:
-        """Mini-batches over ``epochs`` passes. With a seed, each epoch uses a fresh permutation
-        drawn from one generator (reproducible); without shuffle, rows keep their order."""
+        """Mini-batches over ``epochs`` passes, the last of a pass holding the rows left over where
+        ``mini_batch_size`` does not divide them (as verl's split does). With a seed, each epoch uses a
+        fresh permutation drawn from one generator (reproducible); without shuffle, rows keep their order."""
         n = len(self)
-        if mini_batch_size <= 0 or n % mini_batch_size:
-            raise ValueError(f"{n} rows do not split into mini-batches of {mini_batch_size}")
+        if mini_batch_size <= 0:
+            raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)

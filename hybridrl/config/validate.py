@@ -155,9 +155,10 @@ def _check_batch_sizes(cfg: HybridRLConfig) -> list[str]:
 
 def _check_update_role(cfg: HybridRLConfig, prefix: str, mini: int, micro: int | None, dynamic: bool, max_tokens: int) -> list[str]:
     n, g, world = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.world_size
-    if n % mini:
-        return [f"data.train_batch_size={n} is not a multiple of {prefix}.ppo_mini_batch_size={mini}: "
-                f"{n} / {mini} = {n / mini:.4g} optimizer steps per batch (both count prompts)"]
+    if n < mini:
+        return [f"data.train_batch_size={n} is smaller than {prefix}.ppo_mini_batch_size={mini} (both count prompts)"]
+    # as in verl, mini need not divide n: a last mini-batch takes the prompts left over, whose
+    # sequences split over the ranks wherever the step's and a mini-batch's do (checked here and above)
     mini_seqs = mini * g
     if mini_seqs % world:
         return [f"{prefix}.ppo_mini_batch_size x actor_rollout_ref.rollout.n = {mini} x {g} = {mini_seqs} sequences "

@@ -25,6 +25,7 @@ from hybridrl.workers.common import (
     iter_mini_batches,
     mean_metrics,
     micro_batching,
+    optimizer_steps,
     setup_distributed,
 )
 
@@ -46,7 +47,8 @@ class ActorWorker(Worker):
         model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
                                gradient_checkpointing=arr.model.enable_gradient_checkpointing,
                                override_config=dict(arr.model.override_config))
-        self.updates_per_step = self.actor.ppo_epochs * (config.data.train_batch_size // self.actor.ppo_mini_batch_size)
+        self.updates_per_step = optimizer_steps(config.data.train_batch_size, self.actor.ppo_mini_batch_size,
+                                                self.actor.ppo_epochs)
         self.engine = build_engine(model, self.actor.optim, grad_clip=self.actor.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=self.updates_per_step,
                                    fsdp_config=self.actor.fsdp_config,

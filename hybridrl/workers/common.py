@@ -85,14 +85,21 @@ def global_batch_info(mini_batch: DataProto, loss_scale_factor: float | None) ->
                            loss_scale_factor=loss_scale_factor)
 
 
-def iter_mini_batches(data: DataProto, rows_per_rank: int, epochs: int, shuffle: bool, seed: int) -> Iterator[DataProto]:
-    """``epochs`` passes over ``data`` in mini-batches of ``rows_per_rank`` rows.
+def optimizer_steps(train_batch_size: int, ppo_mini_batch_size: int, ppo_epochs: int) -> int:
+    """Optimizer steps in one training step: a mini-batch's each epoch, the last one holding the
+    prompts left over where ``ppo_mini_batch_size`` does not divide ``train_batch_size`` (verl's split)."""
+    return ppo_epochs * -(-train_batch_size // ppo_mini_batch_size)
 
-    Every rank draws the same permutation (same seed), so mini-batch k of each rank belongs to
-    the same optimizer step.
+
+def iter_mini_batches(data: DataProto, rows_per_rank: int, epochs: int, shuffle: bool, seed: int) -> Iterator[DataProto]:
+    """``epochs`` passes over ``data`` in mini-batches of ``rows_per_rank`` rows, the last of a pass
+    holding the rows left over (``optimizer_steps``).
+
+    Every rank holds as many rows and draws the same permutation (same seed), so mini-batch k of
+    each rank belongs to the same optimizer step.
     """
-    if rows_per_rank <= 0 or len(data) % rows_per_rank:
-        raise ValueError(f"{len(data)} rows on this rank do not split into mini-batches of {rows_per_rank}; "
+    if rows_per_rank <= 0:
+        raise ValueError(f"mini-batches of {rows_per_rank} rows on this rank; "
                          "check ppo_mini_batch_size x rollout.n against the number of workers")
     yield from data.make_iterator(rows_per_rank, epochs=epochs, seed=seed, shuffle=shuffle)
 

@@ -18,6 +18,7 @@ from hybridrl.workers.common import (
     iter_mini_batches,
     mean_metrics,
     micro_batching,
+    optimizer_steps,
     setup_distributed,
 )
 
@@ -33,7 +34,7 @@ class CriticWorker(Worker):
         model = load_critic(self.critic.model.path, trust_remote_code=self.critic.model.trust_remote_code,
                             gradient_checkpointing=self.critic.model.enable_gradient_checkpointing,
                             override_config=dict(self.critic.model.override_config))
-        updates = self.critic.ppo_epochs * (config.data.train_batch_size // self.critic.ppo_mini_batch_size)
+        updates = optimizer_steps(config.data.train_batch_size, self.critic.ppo_mini_batch_size, self.critic.ppo_epochs)
         self.engine = build_engine(model, self.critic.optim, grad_clip=self.critic.grad_clip,
                                    total_steps=total_training_steps, updates_per_step=updates,
                                    fsdp_config=self.critic.model.fsdp_config, model_type="value")

@@ -32,9 +32,18 @@ def test_step_batch_must_split_over_the_world():
     assert "trainer.nnodes=1 x trainer.n_cpu_workers=2" in message and "15 / 2 = 7.5" in message
 
 
-def test_mini_batch_must_divide_the_train_batch():
-    message = errors_of("actor_rollout_ref.actor.ppo_mini_batch_size=6")
-    assert "data.train_batch_size=16 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=6" in message
+def test_a_last_mini_batch_takes_the_prompts_left_over():
+    """As in verl, ppo_mini_batch_size need not divide train_batch_size: 16 prompts in mini-batches
+    of 6 are steps of 6, 6 and 4 (an epoch: 3 optimizer steps). The mini-batch must not exceed the
+    batch, and the last one's sequences must split over the ranks like the others."""
+    from hybridrl.workers.common import optimizer_steps
+
+    cfg = load_config([*BASE, "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], preset="grpo_quickstart")
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size) == (16, 6)
+    assert optimizer_steps(16, 6, 2) == 6 and optimizer_steps(16, 8, 1) == 2
+    message = errors_of("actor_rollout_ref.actor.ppo_mini_batch_size=32")
+    assert "data.train_batch_size=16 is smaller than actor_rollout_ref.actor.ppo_mini_batch_size=32" in message
 
 
 def test_mini_batch_per_device_must_be_a_multiple_of_the_micro_batch():

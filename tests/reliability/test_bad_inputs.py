@@ -112,7 +112,7 @@ CASES = [
     ("config key typo", {"actor_rollout_ref.actor.ppo_mini_batch_sizee": 2},
      ["unknown key actor_rollout_ref.actor.ppo_mini_batch_sizee", "did you mean actor_rollout_ref.actor.ppo_mini_batch_size"]),
     ("contradictory batch sizes", {"actor_rollout_ref.actor.ppo_mini_batch_size": 8},
-     ["data.train_batch_size=4 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
+     ["data.train_batch_size=4 is smaller than actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
     ("value not allowed", {"algorithm.adv_estimator": "grpoo"}, ["algorithm.adv_estimator='grpoo' is not allowed", "grpo"]),
     ("reward file missing", {"custom_reward_function.path": "/nonexistent/reward.py"},
      ["custom_reward_function.path", "/nonexistent/reward.py"]),

@@ -169,3 +169,22 @@ def test_verl_kernel_switches_give_the_usual_numbers(assets, tmp_path, monkeypat
         assert a.keys() == b.keys() and "actor/entropy" in a
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
+
+
+def test_a_last_mini_batch_takes_the_prompts_left_over(assets, tmp_path, monkeypatch, ray_session):
+    """verl's split: 3 prompts x 2 samples in mini-batches of 2 prompts are optimizer steps of 4 and
+    2 sequences (in-process, where the steps can be watched), and on 2 sharded ranks of 2 and 1 rows
+    each, which finish with finite metrics (the ranks agree on every call)."""
+    from hybridrl.workers.actor import ActorWorker
+
+    sizes = []
+    step = ActorWorker._optimizer_step
+    monkeypatch.setattr(ActorWorker, "_optimizer_step", lambda self, mini, s: sizes.append(len(mini)) or step(self, mini, s))
+    extra = {"data.train_batch_size": 3, "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.test_freq": -1,
+             "trainer.val_before_train": False, "actor_rollout_ref.actor.ppo_epochs": 2,
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}
+    run(config(assets, tmp_path / "local", **extra, **{"trainer.backend": "local", "trainer.n_cpu_workers": 1}))
+    assert sizes == [4, 2, 4, 2] * 2  # 2 epochs a step, 2 steps
+    run(config(assets, tmp_path / "ray", **extra))
+    metrics = read_metrics(tmp_path / "ray")
+    assert sorted(metrics) == [1, 2] and all(all_finite(metrics[s]) for s in (1, 2))
