@@ -86,8 +86,9 @@ def global_batch_info(mini_batch: DataProto, loss_scale_factor: float | None) ->
 
 
 def optimizer_steps(train_batch_size: int, ppo_mini_batch_size: int, ppo_epochs: int) -> int:
-    """Optimizer steps in one training step: a mini-batch's each epoch, the last one holding the
-    prompts left over where ``ppo_mini_batch_size`` does not divide ``train_batch_size`` (verl's split)."""
+    """Optimizer steps in one training step, one per mini-batch and epoch: the last mini-batch of an
+    epoch holds the prompts left over where ``ppo_mini_batch_size`` does not divide ``train_batch_size``
+    (verl's split)."""
     return ppo_epochs * -(-train_batch_size // ppo_mini_batch_size)
 
 
