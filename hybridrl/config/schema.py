@@ -300,8 +300,8 @@ class CriticConfig:
 # --------------------------------------------------------------------------------------------- reward
 @dataclass(frozen=True)
 class RewardModelModelConfig:
-    input_tokenizer: str | None = opt(ref("actor_rollout_ref.model.path"), "tokenizer of the policy, to re-template for the RM (null: same template)")
-    path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model (sequence classification)")
+    input_tokenizer: str | None = opt(ref("actor_rollout_ref.model.path"), "the policy's tokenizer: responses are decoded with it and re-templated with the RM's chat template (needs data.return_raw_chat=true; null: score the policy's token ids as they are)")
+    path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a sequence- or token-classification checkpoint with one label")
     external_lib: str | None = opt(ref("actor_rollout_ref.model.external_lib"), "module imported before loading the RM")
     trust_remote_code: bool = opt(False, "allow the RM's remote code")
     use_remove_padding: bool = opt(False, "pack sequences without padding")
@@ -319,12 +319,12 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    enable: bool = opt(False, "score with a model-based reward model (not implemented: true is refused; rewards come from reward functions)")
+    enable: bool = opt(False, "score each response with a reward model (its output at the last token) instead of the reward functions")
     strategy: str = opt("fsdp", "backend of the RM", STRATEGIES)
     model: RewardModelModelConfig = section(RewardModelModelConfig, "reward model")
     micro_batch_size: int | None = opt(None, "[deprecated] global micro batch; folded into micro_batch_size_per_gpu")
     micro_batch_size_per_gpu: int | None = opt(None, "sequences per RM forward on one device")
-    max_length: int | None = opt(None, "RM input length cap (null: P + R)")
+    max_length: int | None = opt(None, "re-templated RM input length cap, cut on the right (null: P + R)")
     use_dynamic_bsz: bool = opt(ref("critic.use_dynamic_bsz"), "token-budget micro batches")
     forward_max_token_len_per_gpu: int = opt(ref("critic.forward_max_token_len_per_gpu"), "token budget per device")
     reward_manager: str = opt("naive", "how the reward function is called: once per row (naive, prime, dapo; reward.num_workers parallelises) or once per batch with lists (batch)", ("naive", "batch", "prime", "dapo"))

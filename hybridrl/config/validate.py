@@ -186,6 +186,25 @@ def _check_forward_role(cfg: HybridRLConfig, prefix: str, stem: str, micro: int 
     return []
 
 
+def _check_reward_model(cfg: HybridRLConfig) -> list[str]:
+    """A reward model's forward batching, and the chat messages its re-templating reads."""
+    rm = cfg.reward_model
+    if rm.use_dynamic_bsz:
+        errors = _check_token_budget(cfg, "reward_model.forward_max_token_len_per_gpu", rm.forward_max_token_len_per_gpu)
+    elif rm.micro_batch_size_per_gpu is None:
+        errors = ["reward_model.micro_batch_size_per_gpu is not set; set it, or set reward_model.use_dynamic_bsz=true "
+                  "with reward_model.forward_max_token_len_per_gpu"]
+    else:
+        errors = []
+    if rm.model.input_tokenizer is not None and not cfg.data.return_raw_chat:
+        errors.append("reward_model.model.input_tokenizer is set (by default the policy's path), so the reward model "
+                      "re-templates each response with the prompt's chat messages: set data.return_raw_chat=true, or "
+                      "reward_model.model.input_tokenizer=null to score the policy's tokens as they are")
+    if rm.max_length is not None and rm.max_length < 2:
+        errors.append(f"reward_model.max_length={rm.max_length} must be >= 2 or null")
+    return errors
+
+
 def _check_token_budget(cfg: HybridRLConfig, key: str, max_tokens: int) -> list[str]:
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
     if max_tokens < p + r:
@@ -201,10 +220,8 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
         errors.append("algorithm.adv_estimator=gae needs a critic, but critic.enable=false; "
                       "enable the critic or pick a critic-free estimator (grpo, rloo, ...)")
-    if cfg.reward_model.enable:  # the schema keeps verl's reward_model.* keys so that verl scripts load
-        errors.append("reward_model.enable=true: model-based reward models (a sequence-classification model scoring "
-                      "the responses) are not implemented; rewards come from custom_reward_function.path or the "
-                      "built-in rule scorers (docs/rewards.md)")
+    if cfg.reward_model.enable:
+        errors += _check_reward_model(cfg)
     if cfg.reward_model.reward_manager == "batch" and not cfg.custom_reward_function.path:
         errors.append("reward_model.reward_manager=batch calls the reward function once per batch with lists "
                       "(data_sources, solution_strs, ground_truths, extra_infos); the built-in scorers take one "

@@ -56,7 +56,7 @@ from hybridrl.utils.cpu_matmul import use_onednn_linears
 __all__ = ["LossFn", "TrainEngine"]
 
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, Any]]]
-MODEL_TYPES = ("causal_lm", "value")
+MODEL_TYPES = ("causal_lm", "value", "reward")
 # What one more micro-batch costs, in token positions, when a micro-batch of rows of mixed lengths is
 # cut into shorter ones of similar lengths (``seqlen_balancing.padding_split``): a model call and
 # products of fewer rows. The tiny benchmark model's compiled update (one thread) took 0.46 s in one
@@ -82,7 +82,9 @@ class TrainEngine:
     Args:
         model: a causal LM (``model(input_ids, attention_mask, position_ids).logits`` is
             ``(b, t, V)``) or, with ``model_type="value"``, a critic whose output is ``(b, t)``,
-            ``(b, t, 1)`` or has such a ``.logits`` / ``.values``.
+            ``(b, t, 1)`` or has such a ``.logits`` / ``.values``; ``model_type="reward"`` takes
+            such a model too (a reward model), and ``forward`` gives its output at each row's last
+            real token as ``rm_scores``.
         lr, betas, weight_decay, eps: AdamW.
         grad_clip: max global grad norm; ``None`` or ``<= 0`` measures the norm without clipping.
         lr_scheduler, warmup_steps, total_steps, min_lr_ratio: see ``lr_schedule``.
@@ -207,7 +209,8 @@ class TrainEngine:
         """Per-token outputs for the response part, in the original row order.
 
         Returns a CPU DataProto with ``log_probs (B, R)`` (+ ``entropy (B, R)`` if asked) for a causal
-        LM, ``values (B, R)`` for a critic; ``meta_info`` has ``computed_tokens`` / ``real_tokens`` /
+        LM, ``values (B, R)`` for a critic, ``rm_scores (B, R)`` for a reward model (its score at each
+        row's last response token); ``meta_info`` has ``computed_tokens`` / ``real_tokens`` /
         ``needed_tokens`` (as ``train_step``'s ratios count them).
         Micro-batches as in ``train_step``. Collective under FSDP (all ranks call it)."""
         self.model.eval()
@@ -375,8 +378,12 @@ class TrainEngine:
         else:
             with self._autocast():
                 output = self.model(**kwargs)
-            values, valid = gather_response(_values_of(output), packed)
-            outputs = {"values": torch.where(valid, values.float(), 0.0)}
+            values = _values_of(output)
+            if self.model_type == "reward":
+                outputs = {"rm_scores": _last_token_scores(values, packed)}
+            else:
+                values, valid = gather_response(values, packed)
+                outputs = {"values": torch.where(valid, values.float(), 0.0)}
         real = packed.real_tokens
         return {k: _pad_right(v, response_len) for k, v in outputs.items()}, (packed.computed_tokens, real, real)
 
@@ -645,9 +652,10 @@ class _NextTokenLogProb(torch.autograd.Function):
 
 
 def _values_of(output: Any) -> torch.Tensor:
-    """The critic's per-position values ``(b, t)`` from a tensor or a model output object."""
+    """The critic's (or reward model's) per-position values ``(b, t)`` from a tensor or a model output
+    object (a transformers output is a dict, whose ``.values`` is its method: tensors only count)."""
     for attr in ("values", "logits"):
-        if not isinstance(output, torch.Tensor) and getattr(output, attr, None) is not None:
+        if not isinstance(output, torch.Tensor) and isinstance(getattr(output, attr, None), torch.Tensor):
             output = getattr(output, attr)
             break
     if not isinstance(output, torch.Tensor):
@@ -657,6 +665,17 @@ def _values_of(output: Any) -> torch.Tensor:
     if output.dim() != 2:
         raise ValueError(f"critic output must be (b, t) or (b, t, 1), got {tuple(output.shape)}")
     return output
+
+
+def _last_token_scores(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
+    """A reward model's scores as token-level rewards ``(b, R_mb)``: each row's output at its last
+    real token (packed column ``p_i + r_i - 1``), placed at its last response token (column
+    ``r_i - 1``, column 0 for an empty response); 0 elsewhere."""
+    rows = torch.arange(values.shape[0], device=values.device)
+    last = (packed.prompt_lens + packed.response_lens - 1).clamp(min=0)
+    scores = torch.zeros(values.shape[0], max(1, int(packed.response_lens.max())), device=values.device)
+    scores[rows, (packed.response_lens - 1).clamp(min=0)] = values[rows, last].float()
+    return scores
 
 
 def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:

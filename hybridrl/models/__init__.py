@@ -1,7 +1,13 @@
 """Building and loading models and tokenizers: any local HF folder, the critic, the built-in tiny models."""
 
 from hybridrl.models.critic import CriticModel, load_critic, save_critic
-from hybridrl.models.loading import load_causal_lm, load_config, load_tokenizer, to_torch_dtype
+from hybridrl.models.loading import (
+    load_causal_lm,
+    load_config,
+    load_reward_model,
+    load_tokenizer,
+    to_torch_dtype,
+)
 from hybridrl.models.tiny import (
     PRESETS,
     build_tiny_model,
@@ -24,6 +30,7 @@ __all__ = [
     "load_causal_lm",
     "load_config",
     "load_critic",
+    "load_reward_model",
     "load_tokenizer",
     "make_tiny_model_dir",
     "models_dir",

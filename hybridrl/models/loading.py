@@ -7,7 +7,14 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from hybridrl.models.utils import resolve_model_dir
@@ -123,6 +130,20 @@ def load_causal_lm(
     model = load_pretrained(AutoModelForCausalLM, path, dtype, attn_implementation, trust_remote_code, override_config)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    return model.eval()
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A reward model as verl loads one: ``AutoModelForTokenClassification`` with one label, whose
+    output at a sequence's last token is its score. Sequence-classification checkpoints (Llama,
+    Qwen2, Mistral RMs) load the same way: their scalar head has the same name and shape."""
+    model = load_pretrained(AutoModelForTokenClassification, path, dtype, attn_implementation, trust_remote_code,
+                            {"num_labels": 1})
     return model.eval()
 
 

@@ -155,7 +155,10 @@ class RewardManager:
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, Any]]:
         """DataProto with ``responses`` (B, R) + masks and non-tensor ``data_source``, ``reward_model``
         (``extra_info`` optional) -> (``token_level_scores`` (B, R) float32, extra), where extra is
-        ``{"reward_extra_info": {key: list of B}, "metrics": {name: float}, "errors": [...]}``."""
+        ``{"reward_extra_info": {key: list of B}, "metrics": {name: float}, "errors": [...]}``.
+        A batch a reward model scored (``rm_scores``) gets those scores instead, as in verl."""
+        if "rm_scores" in data.batch:
+            return data.batch["rm_scores"].float(), {"reward_extra_info": {}, "metrics": {}, "errors": []}
         lengths = response_lengths(data)
         tasks = self._build_tasks(data, lengths)
         outcomes = self._score_batch(tasks) if self.batched else self._score(tasks)

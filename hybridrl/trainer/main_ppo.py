@@ -72,6 +72,8 @@ def check_model_paths(config) -> None:
     paths = {"actor_rollout_ref.model.path": config.actor_rollout_ref.model.path}
     if critic_in_use(config):
         paths["critic.model.path"] = config.critic.model.path
+    if config.reward_model.enable:
+        paths["reward_model.model.path"] = config.reward_model.model.path
     for key, value in paths.items():
         path = Path(value).expanduser()
         if not path.exists() and str(value).startswith(("/", "~", ".")):

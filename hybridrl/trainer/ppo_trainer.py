@@ -69,6 +69,7 @@ class Workers(Protocol):
     def compute_log_prob(self, data: DataProto) -> DataProto: ...
     def compute_ref_log_prob(self, data: DataProto) -> DataProto: ...
     def compute_values(self, data: DataProto) -> DataProto: ...
+    def compute_rm_score(self, data: DataProto) -> DataProto: ...
     def update_actor(self, data: DataProto) -> DataProto: ...
     def update_critic(self, data: DataProto) -> DataProto: ...
     def sync_weights(self) -> None: ...
@@ -110,6 +111,7 @@ class PPOTrainer:
         self.use_critic = alg.adv_estimator == "gae"
         actor = config.actor_rollout_ref.actor
         self.use_ref = alg.use_kl_in_reward or actor.use_kl_loss
+        self.use_rm = config.reward_model.enable
         self.needs_old_log_probs = old_log_probs_needed(config)
         # the actor update can be sent with the log-prob calls when nothing the driver computes
         # before it (advantages, KL in the reward, values) reads them (update_with_log_probs)
@@ -227,7 +229,7 @@ class PPOTrainer:
                     prompts, self.epoch = self.next_prompts()
                     batch = self.generate(prompts)
             with timer("reward"):
-                batch = self.score(batch, self.reward_fn, metrics)
+                batch = self.score(self.with_rm_scores(batch), self.reward_fn, metrics)
             if not fg.enable:
                 return batch
             batch = self.filter_groups(batch, fg.metric)
@@ -274,6 +276,15 @@ class PPOTrainer:
         merged = merge_columns(rest.repeat(repeat, interleave=True), out)
         merged.meta_info = {k: v for k, v in out.meta_info.items() if k != "metrics"}
         return merged
+
+    def with_rm_scores(self, batch: DataProto) -> DataProto:
+        """The batch with the reward model's ``rm_scores`` (``reward_model.enable``), which the reward
+        manager then returns in place of rule-based scores, as verl's do; else the batch as it is."""
+        if not self.use_rm:
+            return batch
+        chat = [k for k in ("raw_prompt",) if k in batch.non_tensor_batch]  # for re-templating
+        inputs = batch.select(batch_keys=[k for k in MODEL_INPUT_KEYS if k in batch.batch], non_tensor_batch_keys=chat)
+        return merge_columns(batch, self.workers.compute_rm_score(inputs))
 
     def score(self, batch: DataProto, reward_fn: Callable, metrics: dict[str, float]) -> DataProto:
         """``token_level_scores`` from the reward manager; its per-sample extras ride along as the
@@ -486,7 +497,7 @@ class PPOTrainer:
         dumped: list[DataProto] = []
         for prompts in self.val_loader:
             batch = self.generate(prompts, validate=True)
-            scores, extra = self.val_reward_fn(batch)
+            scores, extra = self.val_reward_fn(self.with_rm_scores(batch))
             extra = extra.get("reward_extra_info", {})
             batch.batch["token_level_scores"] = scores
             dumped.append(batch)

@@ -15,11 +15,11 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller import ResourcePool, RoleSpec, WorkerFuture, WorkerGroup, init_ray
 from hybridrl.trainer.metrics import reduce_metrics
 from hybridrl.utils import cpu_matmul
-from hybridrl.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
+from hybridrl.workers import ActorWorker, CriticWorker, RefWorker, RewardModelWorker, RolloutWorker
 
 
 class PPOWorkers:
-    """Actor + rollout (+ ref, + critic) colocated in one worker group."""
+    """Actor + rollout (+ ref, + critic, + reward model) colocated in one worker group."""
 
     def __init__(self, config, total_training_steps: int) -> None:
         trainer = config.trainer
@@ -33,6 +33,8 @@ class PPOWorkers:
             roles["ref"] = RoleSpec(RefWorker, config)
         if self.has_critic:
             roles["critic"] = RoleSpec(CriticWorker, config, total_training_steps)
+        if config.reward_model.enable:
+            roles["rm"] = RoleSpec(RewardModelWorker, config)
         per_node = trainer.n_gpus_per_node if use_gpu else trainer.n_cpu_workers
         if trainer.backend == "ray":
             init_ray(num_cpus=config.ray_kwargs.ray_init.num_cpus)
@@ -65,6 +67,9 @@ class PPOWorkers:
 
     def compute_values(self, data: DataProto) -> DataProto:
         return self.submit("compute_values", data)()
+
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        return self.submit("compute_rm_score", data)()
 
     def update_actor(self, data: DataProto) -> dict[str, float]:
         return self.submit("update_actor", data)()
@@ -143,6 +148,7 @@ _CALLS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "compute_log_prob": ("actor", _same),
     "compute_ref_log_prob": ("ref", _same),
     "compute_values": ("critic", _same),
+    "compute_rm_score": ("rm", _same),
     "update_actor": ("actor", _mean_over_ranks),
     "update_critic": ("critic", _mean_over_ranks),
     "sync_weights": ("rollout", _nothing),

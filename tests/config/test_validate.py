@@ -96,12 +96,24 @@ def test_critic_checked_only_when_in_use():
           "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "needs actor_rollout_ref.rollout.n >= 2"),
         (["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], "offload_policy=true needs an accelerator"),
         (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=0 must be in [1"),
-        (["reward_model.enable=true"], "reward_model.enable=true: model-based reward models"),
+        (["reward_model.enable=true", "data.return_raw_chat=true"],
+         "reward_model.micro_batch_size_per_gpu is not set; set it, or set reward_model.use_dynamic_bsz=true"),
+        (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=4"],
+         "re-templates each response with the prompt's chat messages: set data.return_raw_chat=true"),
+        (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=4", "data.return_raw_chat=true",
+          "reward_model.max_length=1"], "reward_model.max_length=1 must be >= 2 or null"),
         (["reward_model.reward_manager=batch"], "reward_model.reward_manager=batch calls the reward function once per batch"),
     ],
 )
 def test_consistency_errors(overrides, fragment):
     assert fragment in errors_of(*overrides)
+
+
+def test_a_reward_model_loads_with_its_forward_batching():
+    cfg = load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "reward_model.enable=true",
+                       "reward_model.micro_batch_size_per_gpu=4", "reward_model.model.input_tokenizer=null"],
+                      preset="grpo_quickstart")
+    assert cfg.reward_model.enable and cfg.reward_model.model.input_tokenizer is None
 
 
 def test_fsdp_size_shards_over_all_ranks_or_replicates():

@@ -185,7 +185,7 @@ def test_input_errors_name_the_problem():
     with pytest.raises(ValueError, match="max_token_len=5"):
         engine.forward(data, max_token_len=5)
     with pytest.raises(ValueError, match="model_type"):
-        TrainEngine(build_model(), lr=1e-3, model_type="reward")
+        TrainEngine(build_model(), lr=1e-3, model_type="policy")
 
 
 def test_gradient_checkpointing_and_bf16_autocast():
@@ -350,3 +350,29 @@ def test_torch_compile_errors_are_clear(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="triton is not installed"):
         compile_blocks(build_model(), torch.device("cuda"))
+
+
+def test_a_reward_model_scores_each_row_at_its_last_token():
+    """model_type="reward": the model's output at each row's last real token (mixed prompt and
+    response lengths, an empty response), placed at the last response token, micro-batched or not."""
+    from transformers import AutoModelForTokenClassification
+
+    from .helpers import tiny_config
+
+    torch.manual_seed(3)
+    model = AutoModelForTokenClassification.from_config(tiny_config(num_labels=1), dtype=torch.float32).eval()
+    data = make_batch(batch_size=6, seed=9)
+    data.batch["attention_mask"][2, -data.batch["responses"].shape[1]:] = 0  # no response at all
+    b = data.batch
+    with torch.no_grad():
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    mask = b["attention_mask"]
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each row's last real column
+    want = out.squeeze(-1)[torch.arange(len(mask)), last]
+    r = mask[:, -b["responses"].shape[1]:].sum(-1)
+    engine = TrainEngine(model, lr=0.0, model_type="reward")
+    for mode in ({}, {"micro_batch_size": 2}):
+        scores = engine.forward(data, **mode).batch["rm_scores"]
+        assert scores.shape == b["responses"].shape
+        torch.testing.assert_close(scores[torch.arange(len(r)), (r - 1).clamp(min=0)], want, rtol=0, atol=1e-5)
+        assert int((scores != 0).sum()) == len(r)

@@ -25,6 +25,20 @@ def make_assets(root: Path) -> dict[str, str]:
     return {"train": str(data["train"]), "test": str(data["test"]), "model": str(model)}
 
 
+def make_reward_model(root: Path, policy: str, seed: int = 7) -> Path:
+    """A tiny reward model folder: the policy's architecture as a one-label token classifier with a
+    seeded head (every rank loads the same weights), and the policy's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(policy, num_labels=1)
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(root)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(root)
+    return root
+
+
 def small_overrides(assets: dict[str, str], run_dir: Path, **extra: object) -> list[str]:
     """A config a 2-core machine runs in seconds per step: 4 prompts x 2 samples x 8 tokens."""
     base = {

@@ -188,3 +188,40 @@ def test_a_last_mini_batch_takes_the_prompts_left_over(assets, tmp_path, monkeyp
     run(config(assets, tmp_path / "ray", **extra))
     metrics = read_metrics(tmp_path / "ray")
     assert sorted(metrics) == [1, 2] and all(all_finite(metrics[s]) for s in (1, 2))
+
+
+def test_a_reward_model_scores_the_responses(assets, tmp_path, monkeypatch, ray_session):
+    """reward_model.enable=true: the reward model's output at each response's last token, after
+    re-templating the prompt's chat and the decoded response with its own chat template, is the
+    reward (in place of the rule scorer's), in training and validation; checked against the model
+    run directly on the captured batch (in-process), and run on 2 sharded Ray ranks."""
+    import torch
+    from e2e_helpers import make_reward_model
+
+    from hybridrl.models import load_reward_model, load_tokenizer
+    from hybridrl.workers.reward_model import retemplate
+
+    rm_dir = make_reward_model(tmp_path / "rm", assets["model"])
+    scored = []
+    score = PPOTrainer.score
+    monkeypatch.setattr(PPOTrainer, "score", lambda self, batch, fn, m: scored.append(batch) or score(self, batch, fn, m))
+    extra = {"reward_model.enable": True, "reward_model.model.path": str(rm_dir), "reward_model.micro_batch_size_per_gpu": 4,
+             "data.return_raw_chat": True, "trainer.val_before_train": False}
+    run(config(assets, tmp_path / "local", **extra, **{"trainer.backend": "local", "trainer.n_cpu_workers": 1}))
+    assert len(scored) == 2
+    model, tokenizer = load_reward_model(rm_dir), load_tokenizer(assets["model"])
+    for batch in scored:
+        rewritten = retemplate(batch, tokenizer, tokenizer, None)
+        ids, mask = rewritten.batch["input_ids"], rewritten.batch["attention_mask"]
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        want = out.squeeze(-1)[torch.arange(len(ids)), mask.sum(-1) - 1]
+        got = batch.batch["token_level_scores"]
+        torch.testing.assert_close(got.sum(-1), want, rtol=0, atol=1e-5)
+        lengths = batch.batch["attention_mask"][:, -got.shape[1]:].sum(-1)
+        assert torch.equal(got.nonzero()[:, 1], (lengths - 1).clamp(min=0)[got.sum(-1) != 0])
+    metrics = read_metrics(tmp_path / "local")
+    assert metrics[2]["critic/score/mean"] != 0 and "val-core/hybridrl/addition/reward/mean@1" in metrics[2]
+    run(config(assets, tmp_path / "ray", **extra))
+    ray_metrics = read_metrics(tmp_path / "ray")
+    assert sorted(ray_metrics) == [1, 2] and all(all_finite(ray_metrics[s]) for s in (1, 2))
