@@ -140,6 +140,8 @@ def estimate(config) -> Estimate:
     if critic_in_use(config):
         critic = read_model_shape(config.critic.model.path)
         _add_weights(est, "critic", critic, world, trainable=True)
+    if config.reward_model.enable:  # counted as a causal LM: its one-label head is smaller than an LM head
+        _add_weights(est, "reward model", read_model_shape(config.reward_model.model.path), world, trainable=False)
     return est
 
 

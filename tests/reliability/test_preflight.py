@@ -42,6 +42,12 @@ def test_small_run_fits_and_terms_scale_as_documented(model_dir, tmp_path):
     # logits: 3 x micro-batch (2) x R (8) x V (1024) x 4 bytes
     assert est.terms["actor logits"] == 3 * 2 * 8 * 1024 * 4
     assert est.host_total < 8 * GiB
+    assert "reward model parameters" not in est.terms
+    with_rm = check_memory(config(model_dir, tmp_path, **{"reward_model.enable": True, "data.return_raw_chat": True,
+                                                           "reward_model.micro_batch_size_per_gpu": 4,
+                                                           "reward_model.model.path": model_dir["model"]}),
+                           available_host=8 * GiB)
+    assert with_rm.terms["reward model parameters"] == 4 * n / 2
 
 
 def test_run_that_cannot_fit_is_refused_naming_the_knob(model_dir, tmp_path, capsys):
