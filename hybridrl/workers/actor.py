@@ -22,6 +22,7 @@ from hybridrl.workers.common import (
     LossAccumulator,
     build_engine,
     global_batch_info,
+    import_external_lib,
     iter_mini_batches,
     mean_metrics,
     micro_batching,
@@ -44,6 +45,7 @@ class ActorWorker(Worker):
         self.actor = arr.actor
         self.n = arr.rollout.n
         self.temperature = arr.rollout.temperature
+        import_external_lib("actor_rollout_ref.model.external_lib", arr.model.external_lib)
         model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
                                gradient_checkpointing=arr.model.enable_gradient_checkpointing,
                                override_config=dict(arr.model.override_config))

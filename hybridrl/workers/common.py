@@ -3,6 +3,7 @@ loss normalizers, and looping PPO epochs over mini-batches."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -35,6 +36,18 @@ def setup_distributed() -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))
         threads = os.environ.get("HYBRIDRL_NUM_THREADS")
         torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local_world))
+
+
+def import_external_lib(key: str, module: str | None) -> None:
+    """Import a role's ``external_lib`` (a module that registers custom architectures with
+    transformers' Auto classes) before its model loads; a module that fails to import names the key."""
+    if not module:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{key}={module}: cannot import it ({err}); it must be importable in every worker "
+                          "process (installed, or on PYTHONPATH)") from err
 
 
 def sharding(fsdp_config) -> dict:

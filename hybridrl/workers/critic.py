@@ -15,6 +15,7 @@ from hybridrl.workers.common import (
     LossAccumulator,
     build_engine,
     global_batch_info,
+    import_external_lib,
     iter_mini_batches,
     mean_metrics,
     micro_batching,
@@ -31,6 +32,7 @@ class CriticWorker(Worker):
         self.config = config
         self.critic = config.critic
         self.n = config.actor_rollout_ref.rollout.n
+        import_external_lib("critic.model.external_lib", self.critic.model.external_lib)
         model = load_critic(self.critic.model.path, trust_remote_code=self.critic.model.trust_remote_code,
                             gradient_checkpointing=self.critic.model.enable_gradient_checkpointing,
                             override_config=dict(self.critic.model.override_config))

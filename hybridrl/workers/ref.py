@@ -8,7 +8,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
 from hybridrl.utils.numerics import poison
-from hybridrl.workers.common import micro_batching, setup_distributed, sharding
+from hybridrl.workers.common import import_external_lib, micro_batching, setup_distributed, sharding
 
 
 class RefWorker(Worker):
@@ -19,6 +19,7 @@ class RefWorker(Worker):
         arr = config.actor_rollout_ref
         self.ref = arr.ref
         self.temperature = arr.rollout.temperature
+        import_external_lib("actor_rollout_ref.model.external_lib", arr.model.external_lib)
         model = load_causal_lm(arr.model.path, trust_remote_code=arr.model.trust_remote_code,
                                override_config=dict(arr.model.override_config))
         model.requires_grad_(False)

@@ -19,7 +19,7 @@ from hybridrl.engine.train_engine import TrainEngine
 from hybridrl.models import load_reward_model, load_tokenizer
 from hybridrl.protocol import DataProto
 from hybridrl.single_controller import Dispatch, Worker, register
-from hybridrl.workers.common import micro_batching, setup_distributed, sharding
+from hybridrl.workers.common import import_external_lib, micro_batching, setup_distributed, sharding
 
 
 class RewardModelWorker(Worker):
@@ -28,6 +28,7 @@ class RewardModelWorker(Worker):
     def __init__(self, config) -> None:
         setup_distributed()
         self.rm = config.reward_model
+        import_external_lib("reward_model.model.external_lib", self.rm.model.external_lib)
         model = load_reward_model(self.rm.model.path, trust_remote_code=self.rm.model.trust_remote_code)
         model.requires_grad_(False)
         # lr 0 and no optimizer steps: the engine is used for its sharded, padding-free forward

@@ -13,6 +13,7 @@ from hybridrl.rollout.base import SamplingParams, eos_ids
 from hybridrl.rollout.native import NativeRolloutEngine
 from hybridrl.single_controller import Dispatch, Worker, register
 from hybridrl.utils.faults import maybe_inject
+from hybridrl.workers.common import import_external_lib
 
 
 class RolloutWorker(Worker):
@@ -23,6 +24,7 @@ class RolloutWorker(Worker):
         self.config = config
         self.rollout = arr.rollout
         self.actor = actor
+        import_external_lib("actor_rollout_ref.model.external_lib", arr.model.external_lib)
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
                                    trust_remote_code=arr.model.trust_remote_code)
         if self.rollout.name == "vllm":

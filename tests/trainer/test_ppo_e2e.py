@@ -225,3 +225,34 @@ def test_a_reward_model_scores_the_responses(assets, tmp_path, monkeypatch, ray_
     run(config(assets, tmp_path / "ray", **extra))
     ray_metrics = read_metrics(tmp_path / "ray")
     assert sorted(ray_metrics) == [1, 2] and all(all_finite(ray_metrics[s]) for s in (1, 2))
+
+
+def test_external_lib_registers_a_custom_architecture(assets, tmp_path, monkeypatch):
+    """actor_rollout_ref.model.external_lib is imported in the workers before their models load (a
+    module registering an architecture with transformers' Auto classes): a model of that type trains
+    with it, and fails to load without it, naming the unknown type."""
+    import json
+    import shutil
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "hybridrl_test_arch.py").write_text(
+        "from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM\n\n\n"
+        "class RenamedConfig(Qwen2Config):\n    model_type = 'hybridrl_renamed_qwen2'\n\n\n"
+        "class RenamedForCausalLM(Qwen2ForCausalLM):\n    config_class = RenamedConfig\n\n\n"
+        "AutoConfig.register('hybridrl_renamed_qwen2', RenamedConfig)\n"
+        "AutoModelForCausalLM.register(RenamedConfig, RenamedForCausalLM)\n")
+    model_dir = tmp_path / "model"
+    shutil.copytree(assets["model"], model_dir)
+    config_json = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config_json, "model_type": "hybridrl_renamed_qwen2"}))
+    monkeypatch.syspath_prepend(str(lib))
+    extra = {"trainer.backend": "local", "trainer.n_cpu_workers": 1, "trainer.test_freq": -1,
+             "trainer.val_before_train": False, "trainer.total_training_steps": 1,
+             "actor_rollout_ref.model.path": str(model_dir)}
+    with pytest.raises(Exception, match="hybridrl_renamed_qwen2"):
+        run(config(assets, tmp_path / "without", **extra))
+    run(config(assets, tmp_path / "with", **extra, **{"actor_rollout_ref.model.external_lib": "hybridrl_test_arch"}))
+    assert all_finite(read_metrics(tmp_path / "with")[1])
+    with pytest.raises(Exception, match="actor_rollout_ref.model.external_lib=no_such_module_here: cannot import"):
+        run(config(assets, tmp_path / "missing", **extra, **{"actor_rollout_ref.model.external_lib": "no_such_module_here"}))
