@@ -259,7 +259,7 @@ def _apply_outside_schema(op: Override, key: str, errors: list[str], origin: str
         hint = f"; did you mean {', '.join(close)}?" if close else "; run `hybridrl config show` to list the keys"
         errors.append(f"{origin} {op.text!r}: unknown key {key}{hint}")
     elif op.op == "delete" or verl_compat.is_noop(entry, op.value):
-        if entry.accepts == verl_compat.WARN:
+        if entry.accepts == verl_compat.WARN and not verl_compat.is_empty(op.value):
             warnings.warn(f"{origin} {op.text!r}: {key} has no effect in hybridrl: {entry.reason}", ConfigWarning, stacklevel=4)
     elif entry.otherwise == verl_compat.WARN:
         warnings.warn(f"{origin} {op.text!r}: {key}={op.value!r} has no effect in hybridrl: {entry.reason}",

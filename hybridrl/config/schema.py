@@ -121,7 +121,7 @@ class OptimConfig:
     lr_warmup_steps: int = opt(-1, "warm-up steps (<= 0: use lr_warmup_steps_ratio)")
     lr_warmup_steps_ratio: float = opt(0.0, "warm-up steps as a fraction of total_training_steps")
     lr_scheduler_type: str = opt("constant", "schedule after warm-up (verl's former warmup_style)", ("constant", "cosine"))
-    min_lr_ratio: float = opt(0.0, "final lr / peak lr (cosine only)")
+    min_lr_ratio: float | None = opt(0.0, "final lr / peak lr (cosine only; null, verl's critic default: 0)")
     num_cycles: float = opt(0.5, "cosine cycles over training (0.5: a half cosine down to min_lr_ratio)")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: tuple[float, float] = opt((0.9, 0.999), "AdamW betas")

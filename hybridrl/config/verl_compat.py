@@ -9,7 +9,7 @@ Nothing here is silently dropped:
   still load; any other value is an error with the reason, or where ``otherwise`` is ``WARN`` loads
   with a warning that it has no effect (switches of verl's kernels that hybridrl does its own way).
   ``WARN`` accepts any value with a warning (knobs that only tune performance of something hybridrl
-  does another way). ``NEVER`` always errors.
+  does another way), except an empty one (``is_empty``). ``NEVER`` always errors.
 - ``UNSUPPORTED_VALUES``: supported keys whose particular verl values are not implemented.
 """
 
@@ -171,6 +171,13 @@ def find_unsupported(key: str) -> Unsupported | None:
         if fnmatch.fnmatchcase(key, entry.pattern):
             return entry
     return None
+
+
+def is_empty(value: Any) -> bool:
+    """Whether a value sets nothing (null, false, 0, an empty string, list or dict): a ``WARN`` key
+    spelled out so, as verl's own default config does, loads without a warning."""
+    return value is None or value is False or (type(value) in (int, float) and value == 0) or (
+        isinstance(value, str | list | tuple | dict) and len(value) == 0)
 
 
 def is_noop(entry: Unsupported, value: Any) -> bool:

@@ -151,6 +151,23 @@ def test_noop_values_of_unsupported_keys_load_and_warn_keys_warn():
         quick("reward_model.model.fused_kernel_options.impl_backend=torch")
 
 
+def test_verl_defaults_spelled_out_load_quietly():
+    """verl's generated default config writes every key; a script that spells out a default of a
+    feature hybridrl lacks (null, false, 0, an empty list) loads without a warning, and verl's
+    null min_lr_ratio (the critic's default) is 0."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = quick("actor_rollout_ref.actor.profiler.ranks=[]", "actor_rollout_ref.actor.profiler.all_ranks=False",
+                    "global_profiler.tool=null", "trainer.esi_redundant_time=0",
+                    "actor_rollout_ref.actor.profiler.tool_config.torch.step_start=0",
+                    "critic.optim.min_lr_ratio=null", "actor_rollout_ref.actor.optim.min_lr_ratio=null")
+    assert cfg.critic.optim.min_lr_ratio is None
+    with pytest.warns(ConfigWarning, match="global_profiler.steps has no effect"):
+        quick("global_profiler.steps=[1,2]")
+    with pytest.raises(ConfigError, match=r"min_lr_ratio=1.5 must be in \[0, 1\] or null"):
+        quick("critic.optim.min_lr_ratio=1.5")
+
+
 def test_verl_kernel_switches_load():
     """verl scripts' kernel switches: fused log-probs and the entropy options are hybridrl's own;
     use_liger=True loads with a warning that says it has no effect; the reference's entropy options
