@@ -138,6 +138,7 @@ RENAMED_SFT: dict[str, str] = {
 _PADDING = "hybridrl always removes padding before the forward (TrainEngine); the setting has no effect"
 UNSUPPORTED_SFT: tuple[Unsupported, ...] = (
     Unsupported("use_remove_padding", WARN, _PADDING),
+    Unsupported("model.use_remove_padding", WARN, _PADDING),  # where verl's newer SFT trainer keeps it
     Unsupported("data.pad_mode", WARN, _PADDING),
     Unsupported("ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallelism is not implemented (size must stay 1)"),
     Unsupported("data.balance_dp_token", WARN, "the loss is always normalised by the step's response tokens on all ranks"),
@@ -145,7 +146,8 @@ UNSUPPORTED_SFT: tuple[Unsupported, ...] = (
     Unsupported("data.multiturn.tools_key", WARN, "tool schemas are not passed to the chat template"),
     Unsupported("data.multiturn.enable_thinking_key", WARN, "per-row enable_thinking is not supported; "
                 "use +data.apply_chat_template_kwargs.enable_thinking=..."),
-    Unsupported("data.micro_batch_size", (None,), "deprecated in verl; set data.micro_batch_size_per_gpu"),
+    Unsupported("data.micro_batch_size", WARN, "deprecated in verl, whose SFT trainer does not read it either: "
+                "micro batches are data.micro_batch_size_per_gpu rows"),
     Unsupported("data.num_workers", WARN, "batches are tokenized in the training process"),
     Unsupported("model.fsdp_config.cpu_offload", (False,), "FSDP2 CPU offload needs an accelerator and is not wired"),
     Unsupported("model.fsdp_config.offload_params", (False,), "FSDP2 CPU offload needs an accelerator and is not wired"),

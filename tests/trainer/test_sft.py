@@ -183,8 +183,12 @@ def test_config_errors_name_keys_and_arithmetic():
         load_sft_config(["model.lora_rank=32"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = load_sft_config(["optim.warmup_style=constant", "use_remove_padding=true", "model.lora_rank=0"])
+        cfg = load_sft_config(["optim.warmup_style=constant", "use_remove_padding=true", "model.lora_rank=0",
+                               "data.micro_batch_size=8", "+model.use_remove_padding=true"])
     messages = [str(w.message) for w in caught if w.category is ConfigWarning]
+    # verl's SFT trainer never reads the deprecated global micro batch either
+    assert any("data.micro_batch_size has no effect" in m for m in messages) and cfg.data.micro_batch_size_per_gpu == 4
     assert any("renamed in verl to optim.lr_scheduler" in m for m in messages)
     assert any("use_remove_padding has no effect" in m for m in messages)
+    assert any("model.use_remove_padding has no effect" in m for m in messages)
     assert cfg.optim.lr_scheduler == "constant" and cfg.data.multiturn.messages_key == "messages"
