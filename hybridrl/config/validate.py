@@ -203,6 +203,10 @@ def _check_reward_model(cfg: HybridRLConfig) -> list[str]:
                       "reward_model.model.input_tokenizer=null to score the policy's tokens as they are")
     if rm.max_length is not None and rm.max_length < 2:
         errors.append(f"reward_model.max_length={rm.max_length} must be >= 2 or null")
+    metric = cfg.algorithm.filter_groups.metric
+    if cfg.algorithm.filter_groups.enable and metric not in ("seq_reward", "seq_final_reward"):
+        errors.append(f"algorithm.filter_groups.metric={metric} is a reward function's output, but with "
+                      "reward_model.enable=true the reward model's score is the only one: use seq_reward or seq_final_reward")
     return errors
 
 

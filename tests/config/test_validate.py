@@ -102,6 +102,8 @@ def test_critic_checked_only_when_in_use():
          "re-templates each response with the prompt's chat messages: set data.return_raw_chat=true"),
         (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=4", "data.return_raw_chat=true",
           "reward_model.max_length=1"], "reward_model.max_length=1 must be >= 2 or null"),
+        (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=4", "data.return_raw_chat=true",
+          "algorithm.filter_groups.enable=true"], "algorithm.filter_groups.metric=acc is a reward function's output"),
         (["reward_model.reward_manager=batch"], "reward_model.reward_manager=batch calls the reward function once per batch"),
     ],
 )
