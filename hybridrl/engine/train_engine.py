@@ -87,7 +87,7 @@ class TrainEngine:
             real token as ``rm_scores``.
         lr, betas, weight_decay, eps: AdamW.
         grad_clip: max global grad norm; ``None`` or ``<= 0`` measures the norm without clipping.
-        lr_scheduler, warmup_steps, total_steps, min_lr_ratio: see ``lr_schedule``.
+        lr_scheduler, warmup_steps, total_steps, min_lr_ratio, num_cycles: see ``lr_schedule``.
         param_dtype, reduce_dtype: FSDP mixed precision (``"float32"``, ``"bfloat16"``,
             ``"float16"``); master weights and optimizer state stay float32. At world size 1 (no
             sharding) a lower ``param_dtype`` runs the forward under ``torch.autocast``; replicas
@@ -129,6 +129,7 @@ class TrainEngine:
         warmup_steps: int = 0,
         total_steps: int | None = None,
         min_lr_ratio: float = 0.0,
+        num_cycles: float = 0.5,
         param_dtype: str = "float32",
         reduce_dtype: str = "float32",
         process_group: dist.ProcessGroup | None = None,
@@ -185,7 +186,8 @@ class TrainEngine:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                            fused=_fused_adamw(self.device))
         self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, lr_scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+            self.optimizer, lr_scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
+            num_cycles=num_cycles,
         )
         self.global_step = 0
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -76,6 +76,7 @@ def build_engine(model: torch.nn.Module, optim, *, grad_clip: float, total_steps
         warmup_steps=warmup * updates_per_step,
         total_steps=max(1, total_steps) * updates_per_step,
         min_lr_ratio=optim.min_lr_ratio or 0.0,  # null: 0, as verl reads it
+        num_cycles=optim.num_cycles,
         model_type=model_type,
         torch_compile=torch_compile,
         share_prompts=share_prompts,

@@ -32,9 +32,20 @@ def test_cosine_with_warmup_and_floor():
     assert lrs == pytest.approx([2.0 * e for e in expected], abs=1e-12)
 
 
+def test_cosine_cycles():
+    """verl's num_cycles: the cosine's argument is 2 pi num_cycles p; one whole cycle comes back up."""
+    lrs = _lrs("cosine", 6, total_steps=4, min_lr_ratio=0.2, num_cycles=1.0)
+    # p = s/4: 0, .25, .5, .75, 1, then clamped: cos(2 pi p) = 1, 0, -1, 0, 1, 1
+    expected = [1.0, 0.6, 0.2, 0.6, 1.0, 1.0]
+    assert lrs == pytest.approx([2.0 * e for e in expected], abs=1e-12)  # base lr 2
+    assert _lrs("cosine", 3, total_steps=2, num_cycles=0.5) == pytest.approx(_lrs("cosine", 3, total_steps=2))
+
+
 def test_schedule_arguments_are_validated():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="one of"):
         build_lr_scheduler(opt, "linear")
     with pytest.raises(ValueError, match="total_steps"):
         build_lr_scheduler(opt, "cosine", warmup_steps=3, total_steps=3)
+    with pytest.raises(ValueError, match="num_cycles must be > 0, got 0"):
+        build_lr_scheduler(opt, "cosine", total_steps=3, num_cycles=0)
