@@ -328,7 +328,7 @@ class RewardModelConfig:
     use_dynamic_bsz: bool = opt(ref("critic.use_dynamic_bsz"), "token-budget micro batches")
     forward_max_token_len_per_gpu: int = opt(ref("critic.forward_max_token_len_per_gpu"), "token budget per device")
     reward_manager: str = opt("naive", "how the reward function is called: once per row (naive, prime, dapo; reward.num_workers parallelises) or once per batch with lists (batch)", ("naive", "batch", "prime", "dapo"))
-    launch_reward_fn_async: bool = opt(False, "compute rule rewards concurrently with the log-prob stages")
+    launch_reward_fn_async: bool = opt(False, "verl: score rule rewards while the log-prob stages run (hybridrl scores them in reward.num_workers processes before those stages; true warns that it has no effect)")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong reward shaping (reward_manager=dapo)")
 
 
@@ -401,7 +401,7 @@ class TrainerConfig:
     save_freq: int = opt(-1, "save a checkpoint every this many steps (-1: never, except at the end if > 0)")
     test_freq: int = opt(-1, "validate every this many steps (-1: never)")
     val_before_train: bool = opt(True, "validate before the first step")
-    val_only: bool = opt(False, "validate and exit")
+    val_only: bool = opt(False, "validate the initial (or resumed) policy once and exit, whatever val_before_train says")
     critic_warmup: int = opt(0, "steps that update only the critic")
     balance_batch: bool = opt(True, "reorder sequences so each rank gets a similar token count")
     nan_policy: str = opt("skip", "hybridrl: NaN/Inf in rewards, advantages, loss or gradients: skip that update and count it in training/skipped_steps (verl's behaviour), or stop the run with the step, phase and rank", ("skip", "stop"))

@@ -82,6 +82,8 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("actor_rollout_ref.actor.optim.min_lr_ratio", lambda v: v is None or 0 <= v <= 1, "in [0, 1] or null"),
     ("critic.optim.min_lr_ratio", lambda v: v is None or 0 <= v <= 1, "in [0, 1] or null"),
+    ("actor_rollout_ref.actor.optim.num_cycles", lambda v: v > 0, "> 0"),
+    ("critic.optim.num_cycles", lambda v: v > 0, "> 0"),
     ("actor_rollout_ref.actor.optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("critic.optim.lr", lambda v: v >= 0, ">= 0"),
     ("critic.optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
@@ -231,6 +233,8 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
         errors.append("reward_model.reward_manager=batch calls the reward function once per batch with lists "
                       "(data_sources, solution_strs, ground_truths, extra_infos); the built-in scorers take one "
                       "sample: set custom_reward_function.path to a batched function")
+    if trainer.val_only and not cfg.data.val_files:
+        errors.append("trainer.val_only=true validates and exits, but data.val_files is empty")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> folder)")
     val = arr.rollout.val_kwargs
@@ -272,6 +276,10 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
                       "(overlong_buffer.max_response_length, else data.max_response_length) when overlong_buffer.enable=true")
     if overlong.max_response_length is not None and overlong.max_response_length < 1:
         errors.append(f"reward_model.overlong_buffer.max_response_length={overlong.max_response_length} must be >= 1 or null")
+    if cfg.reward_model.launch_reward_fn_async:
+        warnings.warn("reward_model.launch_reward_fn_async=true has no effect in hybridrl: rule rewards are scored "
+                      "right after generation, in reward.num_workers processes (the numbers are the same as verl's "
+                      "either way)", ConfigWarning, stacklevel=4)
     if arr.actor.use_kl_loss and algo.use_kl_in_reward:
         warnings.warn("both actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are true: "
                       "the KL to the reference policy is applied twice", ConfigWarning, stacklevel=4)

@@ -85,13 +85,14 @@ def old_log_probs_needed(config) -> bool:
     the policy that scores the update's tokens is the one that sampled them and ``old_log_probs``
     equal the update's own log-probs (detached). The separate forward is then skipped, as verl's
     ``dp_actor`` (``on_policy``) and TRL's GRPOTrainer do. KL-in-reward, rollout importance weights
-    and loss modes other than ``vanilla`` read the old log-probs before or beside the update, so they
+    (applied, or only measured) and loss modes other than ``vanilla`` read the old log-probs before or
+    beside the update, so they
     keep the forward; so do ``actor/entropy`` and ``training/rollout_probs_diff_*``, which come from it.
     """
     actor, alg = config.actor_rollout_ref.actor, config.algorithm
     on_policy = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == config.data.train_batch_size
     return not (on_policy and actor.policy_loss.loss_mode == "vanilla" and not alg.use_kl_in_reward
-                and not alg.rollout_is and actor.tis_imp_ratio_cap <= 0)
+                and not alg.rollout_is and alg.rollout_is_threshold is None and actor.tis_imp_ratio_cap <= 0)
 
 
 class PPOTrainer:
@@ -131,9 +132,14 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps; returns the last step's metrics."""
+        """Train for ``total_steps`` steps; returns the last step's metrics. With ``trainer.val_only``
+        it validates the (resumed or initial) policy once, logs that at its step and returns it."""
         self._resume()
         trainer = self.config.trainer
+        if trainer.val_only:
+            metrics = self.validate()
+            self.tracking.log(metrics, step=self.global_step)
+            return metrics
         if self.val_loader is not None and trainer.val_before_train and self.global_step == 0:
             self.tracking.log(self.validate(), step=0)
         last: dict[str, float] = {}

@@ -160,18 +160,25 @@ class ActorWorker(Worker):
         return loss_fn
 
     def _rollout_is_weights(self, b, mask, algorithm):
-        """Truncated IS weights pi_old / pi_rollout when configured (verl's rollout_is / TIS)."""
+        """IS weights pi_old / pi_rollout when configured (verl's rollout correction, or the older
+        TIS cap ``actor.tis_imp_ratio_cap``). With ``rollout_is_threshold`` but ``rollout_is=false``
+        the weights are measured (``rollout_corr/`` metrics) and not applied, as in verl."""
         cap = self.actor.tis_imp_ratio_cap
-        threshold = algorithm.rollout_is_threshold if algorithm.rollout_is else (cap if cap > 0 else None)
-        if threshold is None or "rollout_log_probs" not in b:
+        if "rollout_log_probs" not in b:
             return None, {}
-        lower = algorithm.rollout_is_threshold_lower if algorithm.rollout_is_mode == "mask" else None
-        if lower is None and algorithm.rollout_is_mode == "mask":
-            lower = 1.0 / threshold
-        level = "sequence" if algorithm.rollout_is_level == "sequence" else "token"
-        weights, metrics = compute_rollout_is_weights(b["old_log_probs"], b["rollout_log_probs"], mask,
-                                                      level=level, threshold=threshold, threshold_lower=lower)
-        return weights, {k: float(v) for k, v in metrics.items()}
+        if algorithm.rollout_is_threshold is not None:
+            threshold, level = algorithm.rollout_is_threshold, algorithm.rollout_is_level
+            lower = algorithm.rollout_is_threshold_lower if algorithm.rollout_is_mode == "mask" else None
+            if lower is None and algorithm.rollout_is_mode == "mask":
+                lower = 1.0 / threshold
+            veto, applied = algorithm.rollout_is_veto_threshold, algorithm.rollout_is
+        elif cap > 0:
+            threshold, level, lower, veto, applied = cap, "token", None, None, True
+        else:
+            return None, {}
+        weights, metrics = compute_rollout_is_weights(b["old_log_probs"], b["rollout_log_probs"], mask, level=level,
+                                                      threshold=threshold, threshold_lower=lower, veto_threshold=veto)
+        return (weights if applied else None), {k: float(v) for k, v in metrics.items()}
 
     # ----------------------------------------------------------------------------- checkpoints
     @register(Dispatch.ONE_TO_ALL)

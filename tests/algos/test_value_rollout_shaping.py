@@ -38,8 +38,24 @@ def test_rollout_is_weights_token_sequence_and_icepop():
     w, _ = compute_rollout_is_weights(old, rollout, mask, "sequence", threshold=2.0)
     torch.testing.assert_close(w, torch.tensor([[1.8, 1.8, 1.8, 0.0]]))  # 0.5 * 1.2 * 3 = 1.8
     assert not w.requires_grad
-    with pytest.raises(ValueError, match="unknown rollout_is level 'seq'; valid: token, sequence"):
+    w, _ = compute_rollout_is_weights(old, rollout, mask, "geometric", threshold=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.8 ** (1 / 3)] * 3 + [0.0]]))  # (0.5 * 1.2 * 3) ** (1/3)
+    with pytest.raises(ValueError, match="unknown rollout_is level 'seq'; valid: token, sequence, geometric"):
         compute_rollout_is_weights(old, rollout, mask, "seq")
+
+
+def test_rollout_is_veto_zeroes_a_sequence_with_a_catastrophic_token():
+    """verl's veto: any (unmasked) token ratio below the veto threshold zeroes its whole sequence,
+    whatever the level; a masked token never vetoes."""
+    rollout = torch.zeros(3, 3)
+    old = torch.log(torch.tensor([[1.0, 1e-5, 1.0], [0.9, 1.1, 1.0], [1.0, 1.0, 1e-6]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    for level in ("token", "sequence", "geometric"):
+        w, metrics = compute_rollout_is_weights(old, rollout, mask, level, threshold=2.0, veto_threshold=1e-4)
+        assert torch.equal(w[0], torch.zeros(3)) and (w[1] > 0).all() and (w[2, :2] > 0).all()
+        assert metrics["rollout_corr/rollout_is_veto_fraction"].item() == pytest.approx(1 / 3)
+    w, metrics = compute_rollout_is_weights(old, rollout, mask, "token", threshold=2.0)
+    assert w[0, 0] > 0 and "rollout_corr/rollout_is_veto_fraction" not in metrics
 
 
 def test_overlong_penalty_is_linear_in_the_buffer():

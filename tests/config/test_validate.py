@@ -161,6 +161,12 @@ def test_overlong_buffer_outside_dapo_warns_that_verl_would_not_apply_it():
         load_config([*overrides, "reward_model.reward_manager=dapo"], preset="grpo_quickstart")
 
 
+def test_launching_the_reward_function_async_warns_that_it_has_no_effect():
+    with pytest.warns(ConfigWarning, match="launch_reward_fn_async=true has no effect in hybridrl"):
+        load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                     "reward_model.launch_reward_fn_async=true"], preset="grpo_quickstart")
+
+
 def test_a_float16_kv_cache_is_the_native_engines():
     cfg = load_config([*BASE, "actor_rollout_ref.rollout.kv_cache_dtype=float16"], preset="grpo_quickstart")
     assert cfg.actor_rollout_ref.rollout.kv_cache_dtype == "float16"

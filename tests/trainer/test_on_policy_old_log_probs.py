@@ -28,6 +28,8 @@ def assets(tmp_path_factory):
     ({"algorithm.use_kl_in_reward": True}, True),  # the KL penalty reads old_log_probs before the update
     ({"actor_rollout_ref.actor.tis_imp_ratio_cap": 2.0, "actor_rollout_ref.rollout.calculate_log_probs": True}, True),
     ({"actor_rollout_ref.actor.policy_loss.loss_mode": "clip_cov"}, True),
+    # rollout IS weights only measured (rollout_is=false) still read the old log-probs
+    ({"algorithm.rollout_is_threshold": 2.0, "actor_rollout_ref.rollout.calculate_log_probs": True}, True),
 ])
 def test_old_log_probs_needed(assets, tmp_path, extra, needed):
     assert old_log_probs_needed(config(assets, tmp_path, **{**ON_POLICY, **extra})) is needed
@@ -47,3 +49,18 @@ def test_skipped_forward_gives_the_same_step(assets, tmp_path):
     assert a["critic/advantages/mean"] == b["critic/advantages/mean"]  # same samples, same rewards
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
         assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_rollout_is_weights_are_measured_or_applied(assets, tmp_path, applied):
+    """algorithm.rollout_is_threshold with rollout_is=false logs the rollout_corr/ metrics and leaves
+    the loss alone (verl's "metrics only"); with rollout_is=true, geometric level and a veto, the
+    weights apply and the veto fraction is logged."""
+    extra = {**ON_POLICY, "algorithm.rollout_is_threshold": 2.0, "actor_rollout_ref.rollout.calculate_log_probs": True,
+             "algorithm.rollout_is": applied}
+    if applied:
+        extra.update({"algorithm.rollout_is_level": "geometric", "algorithm.rollout_is_veto_threshold": 1e-4})
+    run(config(assets, tmp_path, **extra))
+    metrics = read_metrics(tmp_path)[1]
+    assert all_finite(metrics) and "rollout_corr/rollout_is_mean" in metrics
+    assert ("rollout_corr/rollout_is_veto_fraction" in metrics) is applied

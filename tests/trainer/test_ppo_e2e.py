@@ -256,3 +256,14 @@ def test_external_lib_registers_a_custom_architecture(assets, tmp_path, monkeypa
     assert all_finite(read_metrics(tmp_path / "with")[1])
     with pytest.raises(Exception, match="actor_rollout_ref.model.external_lib=no_such_module_here: cannot import"):
         run(config(assets, tmp_path / "missing", **extra, **{"actor_rollout_ref.model.external_lib": "no_such_module_here"}))
+
+
+def test_val_only_validates_once_and_trains_nothing(assets, tmp_path):
+    """trainer.val_only=true: one validation of the initial policy, logged at step 0, and no step."""
+    extra = {"trainer.backend": "local", "trainer.n_cpu_workers": 1, "trainer.val_only": True,
+             "trainer.val_before_train": False}
+    out = run(config(assets, tmp_path / "val", **extra))
+    metrics = read_metrics(tmp_path / "val")
+    assert sorted(metrics) == [0] and "val-core/hybridrl/addition/reward/mean@1" in metrics[0]
+    assert out == metrics[0] and not any(k.startswith("actor/") for k in metrics[0])
+    assert not list((tmp_path / "val").glob("global_step_*"))  # nothing trained, nothing saved
