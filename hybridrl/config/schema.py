@@ -61,15 +61,15 @@ class DataConfig:
     train_batch_size: int = opt(1024, "N: prompts per training step")
     gen_batch_size: int = opt(ref(".train_batch_size"), "prompts per generation batch (DAPO: with algorithm.filter_groups.enable, batches are generated until N prompts are kept; otherwise it must equal train_batch_size)")
     val_batch_size: int | None = opt(None, "prompts per validation batch (null: the whole validation set at once)")
-    return_raw_input_ids: bool = opt(False, "also return the un-templated prompt token ids (when the reward model's tokenizer differs)")
+    return_raw_input_ids: bool = opt(False, "verl: also return the un-templated prompt ids for a reward model with another tokenizer (hybridrl re-templates from return_raw_chat; true warns that it has no effect)")
     return_raw_chat: bool = opt(False, "also return the raw chat messages (needed by async/multi-turn rollout)")
     return_full_prompt: bool = opt(False, "also return the templated prompt text")
     shuffle: bool = opt(True, "shuffle the training data every epoch")
     seed: int = opt(1, "seed of the training-data shuffle")
     validation_shuffle: bool = opt(False, "shuffle the validation data")
-    dataloader_num_workers: int = opt(8, "data-loader worker processes (0: load in the main process)")
+    dataloader_num_workers: int = opt(8, "verl: data-loader worker processes (hybridrl collates prompt batches in the driver; values other than 0 and 8 warn)")
     filter_overlong_prompts: bool = opt(False, "drop prompts longer than max_prompt_length at load")
-    filter_overlong_prompts_workers: int = opt(1, "processes used to filter overlong prompts")
+    filter_overlong_prompts_workers: int = opt(1, "verl: processes filtering overlong prompts (hybridrl filters in the driver; other values warn)")
     truncation: str = opt("error", "what to do with a prompt longer than max_prompt_length", ("error", "left", "right"))
     trust_remote_code: bool = opt(False, "allow the tokenizer's remote code")
     apply_chat_template_kwargs: dict[str, Any] = opt({}, "extra keyword arguments to tokenizer.apply_chat_template (add with +key=value)")
@@ -131,7 +131,7 @@ class OptimConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_contents: tuple[str, ...] = opt(("model", "optimizer", "extra"), "what a checkpoint saves", ("model", "optimizer", "extra", "hf_model"))
-    load_contents: tuple[str, ...] = opt(ref(".save_contents"), "what resuming loads", ("model", "optimizer", "extra", "hf_model"))
+    load_contents: tuple[str, ...] = opt(ref(".save_contents"), "what resuming loads (hybridrl always loads model, optimizer and extra; leaving one out warns)", ("model", "optimizer", "extra", "hf_model"))
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = section(ActorConfig, "PPO actor update")
     ref: RefConfig = section(RefConfig, "reference policy (used when use_kl_loss or use_kl_in_reward)")
     rollout: RolloutConfig = section(RolloutConfig, "generation")
-    nccl_timeout: int = opt(600, "seconds before a collective times out")
+    nccl_timeout: int = opt(600, "verl: seconds before a collective times out (hybridrl: 600; other values warn)")
 
 
 # --------------------------------------------------------------------------------------------- critic
@@ -390,7 +390,7 @@ class TrainerConfig:
     project_name: str = opt("hybridrl_examples", "project name for loggers and checkpoint paths")
     experiment_name: str = opt("gsm8k", "run name for loggers and checkpoint paths")
     logger: tuple[str, ...] = opt(("console",), "metric sinks (a name or a list)", LOGGERS)
-    log_val_generations: int = opt(0, "validation samples logged as text each validation")
+    log_val_generations: int = opt(0, "verl: validation samples logged as text (not done here, > 0 warns: use trainer.validation_data_dir)")
     rollout_data_dir: str | None = opt(None, "dump rollouts as JSONL here (null: no dump)")
     validation_data_dir: str | None = opt(None, "dump validation generations as JSONL here (null: no dump)")
     nnodes: int = opt(1, "nodes")
@@ -409,10 +409,10 @@ class TrainerConfig:
     default_local_dir: str = opt("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint root (global_step_<N>/ below it)")
     resume_mode: str = opt("auto", "auto: latest checkpoint if any; disable; resume_path: resume_from_path", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = opt(None, "checkpoint folder for resume_mode=resume_path")
-    del_local_ckpt_after_load: bool = opt(False, "delete the checkpoint once loaded")
+    del_local_ckpt_after_load: bool = opt(False, "verl: delete the checkpoint once loaded (not done here: true warns)")
     max_actor_ckpt_to_keep: int | None = opt(None, "keep at most this many actor checkpoints (null: all)")
-    max_critic_ckpt_to_keep: int | None = opt(None, "keep at most this many critic checkpoints (null: all)")
-    ray_wait_register_center_timeout: int = opt(300, "seconds to wait for Ray workers to register")
+    max_critic_ckpt_to_keep: int | None = opt(None, "verl: critic checkpoints to keep (hybridrl keeps actor and critic in one folder per step: max_actor_ckpt_to_keep decides; another value warns)")
+    ray_wait_register_center_timeout: int = opt(300, "verl: seconds to wait for Ray workers to register (not used here: other values warn)")
 
     @property
     def world_size(self) -> int:
@@ -429,7 +429,7 @@ class RayInitConfig:
 @dataclass(frozen=True)
 class RayKwargsConfig:
     ray_init: RayInitConfig = section(RayInitConfig, "arguments of ray.init")
-    timeline_json_file: str | None = opt(None, "write a Ray timeline here at the end")
+    timeline_json_file: str | None = opt(None, "verl: write a Ray timeline here at the end (not done here: set, it warns)")
 
 
 # --------------------------------------------------------------------------------------------- root

@@ -276,10 +276,7 @@ def _check_consistency(cfg: HybridRLConfig) -> list[str]:
                       "(overlong_buffer.max_response_length, else data.max_response_length) when overlong_buffer.enable=true")
     if overlong.max_response_length is not None and overlong.max_response_length < 1:
         errors.append(f"reward_model.overlong_buffer.max_response_length={overlong.max_response_length} must be >= 1 or null")
-    if cfg.reward_model.launch_reward_fn_async:
-        warnings.warn("reward_model.launch_reward_fn_async=true has no effect in hybridrl: rule rewards are scored "
-                      "right after generation, in reward.num_workers processes (the numbers are the same as verl's "
-                      "either way)", ConfigWarning, stacklevel=4)
+    _warn_unread_keys(cfg)
     if arr.actor.use_kl_loss and algo.use_kl_in_reward:
         warnings.warn("both actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are true: "
                       "the KL to the reference policy is applied twice", ConfigWarning, stacklevel=4)
@@ -302,6 +299,44 @@ def _check_fsdp_size(cfg: HybridRLConfig) -> list[str]:
             "all ranks), 1 (a whole replica on each rank) or a size that divides the world size (HSDP: shard "
             "groups of that many ranks)" for prefix, fsdp in _fsdp_sections(cfg).items()
             if fsdp.fsdp_size == 0 or (1 < fsdp.fsdp_size < world and world % fsdp.fsdp_size)]
+
+
+_FULL_RESUME = ("model", "optimizer", "extra")
+# verl keys that hybridrl keeps in its schema (so that verl scripts load) and does not act on:
+# (key, whether the value asks for something, what hybridrl does instead)
+_UNREAD: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("reward_model.launch_reward_fn_async", bool, "rule rewards are scored right after generation, in "
+     "reward.num_workers processes (the numbers are the same as verl's either way)"),
+    ("data.return_raw_input_ids", bool, "a reward model with its own template re-templates from the chat "
+     "messages (data.return_raw_chat), not from raw token ids"),
+    ("data.dataloader_num_workers", lambda v: v not in (0, 8), "prompt batches are collated in the driver as they "
+     "are drawn"),  # 0 says so; 8 is verl's default
+    ("data.filter_overlong_prompts_workers", lambda v: v != 1, "overlong prompts are filtered in the driver"),
+    ("actor_rollout_ref.actor.checkpoint.load_contents", lambda v: not set(_FULL_RESUME) <= set(v),
+     "resuming always loads the model, the optimizer and the run state"),
+    ("critic.checkpoint.load_contents", lambda v: not set(_FULL_RESUME) <= set(v),
+     "resuming always loads the model, the optimizer and the run state"),
+    ("actor_rollout_ref.nccl_timeout", lambda v: v != 600, "process groups time out after 600 s"),
+    ("trainer.log_val_generations", bool, "validation generations are not logged as text; "
+     "trainer.validation_data_dir dumps them, with their scores, as jsonl"),
+    ("trainer.del_local_ckpt_after_load", bool, "a checkpoint is kept after it is loaded"),
+    ("trainer.ray_wait_register_center_timeout", lambda v: v != 300, "worker start-up failures are reported "
+     "as they happen"),
+    ("ray_kwargs.timeline_json_file", bool, "no Ray timeline is written; wrap a run in torch.profiler instead"),
+)
+
+
+def _warn_unread_keys(cfg: HybridRLConfig) -> None:
+    """Each ``_UNREAD`` key whose value asks for something warns, naming what happens instead."""
+    for key, asks, instead in _UNREAD:
+        value = get(cfg, key)
+        if asks(value):
+            warnings.warn(f"{key}={value!r} has no effect in hybridrl: {instead}", ConfigWarning, stacklevel=5)
+    trainer = cfg.trainer
+    if trainer.max_critic_ckpt_to_keep is not None and trainer.max_critic_ckpt_to_keep != trainer.max_actor_ckpt_to_keep:
+        warnings.warn(f"trainer.max_critic_ckpt_to_keep={trainer.max_critic_ckpt_to_keep} has no effect in hybridrl: a "
+                      "checkpoint folder holds the actor and the critic, and trainer.max_actor_ckpt_to_keep="
+                      f"{trainer.max_actor_ckpt_to_keep} decides how many are kept", ConfigWarning, stacklevel=4)
 
 
 def _warn_unread_fsdp_keys(cfg: HybridRLConfig) -> None:

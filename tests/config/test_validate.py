@@ -161,10 +161,24 @@ def test_overlong_buffer_outside_dapo_warns_that_verl_would_not_apply_it():
         load_config([*overrides, "reward_model.reward_manager=dapo"], preset="grpo_quickstart")
 
 
-def test_launching_the_reward_function_async_warns_that_it_has_no_effect():
-    with pytest.warns(ConfigWarning, match="launch_reward_fn_async=true has no effect in hybridrl"):
-        load_config([*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                     "reward_model.launch_reward_fn_async=true"], preset="grpo_quickstart")
+@pytest.mark.parametrize(("override", "fragment"), [
+    ("reward_model.launch_reward_fn_async=true", "launch_reward_fn_async=True has no effect in hybridrl"),
+    ("data.return_raw_input_ids=true", "return_raw_input_ids=True has no effect"),
+    ("data.dataloader_num_workers=2", "dataloader_num_workers=2 has no effect"),
+    ("actor_rollout_ref.actor.checkpoint.load_contents=[model]", "resuming always loads the model, the optimizer"),
+    ("trainer.log_val_generations=10", "trainer.validation_data_dir dumps them"),
+    ("trainer.del_local_ckpt_after_load=true", "a checkpoint is kept after it is loaded"),
+    ("ray_kwargs.timeline_json_file=/tmp/t.json", "no Ray timeline is written"),
+    ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_actor_ckpt_to_keep=None decides how many are kept"),
+])
+def test_keys_hybridrl_does_not_act_on_warn_when_they_ask_for_something(override, fragment):
+    base = [*BASE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    with pytest.warns(ConfigWarning, match=fragment):
+        load_config([*base, override], preset="grpo_quickstart")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # their defaults (verl's) say nothing
+        load_config([*base, "trainer.max_critic_ckpt_to_keep=3", "trainer.max_actor_ckpt_to_keep=3"],
+                    preset="grpo_quickstart")
 
 
 def test_a_float16_kv_cache_is_the_native_engines():
