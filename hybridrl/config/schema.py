@@ -107,7 +107,7 @@ class ModelConfig:
     external_lib: str | None = opt(None, "module imported before loading the model (registers custom architectures)")
     override_config: dict[str, Any] = opt({}, "entries overriding the model's HF config (add with +key=value)")
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward to save memory")
-    use_remove_padding: bool = opt(False, "pack sequences without padding for forward/backward")
+    use_remove_padding: bool = opt(False, "verl: pack sequences without padding (hybridrl always packs them, either way)")
     share_prompt_prefix: bool = opt(True, "compute a prompt shared by several rows of a micro-batch (the n samples of GRPO) once, in training and log-prob forwards (Llama/Qwen2/Qwen3 with sdpa, no activation checkpointing); verl's actor.use_prefix_grouper sets it")
     trust_remote_code: bool = opt(False, "allow the model's remote code")
     use_fused_kernels: bool = opt(False, "log-probs and entropy of the actor and reference straight from the last hidden states, a chunk of logits at a time: no logits-sized tensor kept for backward (Llama/Mistral/Qwen2/Qwen3; others warn and use the full logits)")
@@ -272,7 +272,7 @@ class CriticModelConfig:
     external_lib: str | None = opt(ref("actor_rollout_ref.model.external_lib"), "module imported before loading the critic")
     trust_remote_code: bool = opt(ref("actor_rollout_ref.model.trust_remote_code"), "allow the critic's remote code")
     enable_gradient_checkpointing: bool = opt(True, "recompute activations in backward")
-    use_remove_padding: bool = opt(False, "pack sequences without padding")
+    use_remove_padding: bool = opt(False, "verl: pack sequences without padding (hybridrl always packs them, either way)")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP sharding and offload of the critic")
 
 
@@ -304,7 +304,7 @@ class RewardModelModelConfig:
     path: str = opt("~/models/FsfairX-LLaMA3-RM-v0.1", "reward model: a sequence- or token-classification checkpoint with one label")
     external_lib: str | None = opt(ref("actor_rollout_ref.model.external_lib"), "module imported before loading the RM")
     trust_remote_code: bool = opt(False, "allow the RM's remote code")
-    use_remove_padding: bool = opt(False, "pack sequences without padding")
+    use_remove_padding: bool = opt(False, "verl: pack sequences without padding (hybridrl always packs them, either way)")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP sharding of the RM")
 
 
