@@ -37,7 +37,7 @@ from hybridrl.algos.policy_loss import (
     get_policy_loss,
     register_policy_loss,
 )
-from hybridrl.algos.reward_shaping import overlong_penalty
+from hybridrl.algos.reward_shaping import overlong_penalty, scores_at_last_token
 from hybridrl.algos.rollout_correction import compute_rollout_is_weights
 from hybridrl.algos.value_loss import compute_value_loss
 
@@ -72,4 +72,5 @@ __all__ = [
     "overlong_penalty",
     "register_adv_estimator",
     "register_policy_loss",
+    "scores_at_last_token",
 ]

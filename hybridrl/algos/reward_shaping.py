@@ -1,8 +1,18 @@
-"""Reward shaping applied to sequence scores before advantages (DAPO, arXiv 2503.14476)."""
+"""Sequence scores as token-level rewards, and reward shaping applied to them before advantages
+(DAPO, arXiv 2503.14476)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def scores_at_last_token(scores: torch.Tensor, response_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Sequence scores (B,) as token-level rewards (B, width) float32: each row's score at its last
+    response token (column ``length - 1``; column 0 for an empty response), 0 elsewhere."""
+    out = torch.zeros(len(scores), width, dtype=torch.float32, device=scores.device)
+    if width > 0:
+        out[torch.arange(len(scores), device=scores.device), (response_lengths - 1).clamp(min=0)] = scores.float()
+    return out
 
 
 def overlong_penalty(

@@ -155,9 +155,7 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     shape = targets.shape
     if hidden.shape[:-1] != shape:
         raise ValueError(f"head_log_probs: hidden states {tuple(hidden.shape)} do not match targets {tuple(shape)}")
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     log_probs, entropy = _HeadLogProb.apply(flat, weight, bias, targets.reshape(-1).long().contiguous(),
                                             float(temperature), with_entropy, product)
     return log_probs.view(shape), None if entropy is None else entropy.view(shape)

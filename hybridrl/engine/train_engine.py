@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from hybridrl.algos.reward_shaping import scores_at_last_token
 from hybridrl.engine import checkpoint as ckpt
 from hybridrl.engine import cpu_attention, fused_head
 from hybridrl.engine.compile import compile_blocks
@@ -675,9 +676,7 @@ def _last_token_scores(values: torch.Tensor, packed: PackedRows) -> torch.Tensor
     ``r_i - 1``, column 0 for an empty response); 0 elsewhere."""
     rows = torch.arange(values.shape[0], device=values.device)
     last = (packed.prompt_lens + packed.response_lens - 1).clamp(min=0)
-    scores = torch.zeros(values.shape[0], max(1, int(packed.response_lens.max())), device=values.device)
-    scores[rows, (packed.response_lens - 1).clamp(min=0)] = values[rows, last].float()
-    return scores
+    return scores_at_last_token(values[rows, last], packed.response_lens, max(1, int(packed.response_lens.max())))
 
 
 def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.algos.reward_shaping import overlong_penalty
+from hybridrl.algos.reward_shaping import overlong_penalty, scores_at_last_token
 from hybridrl.protocol import DataProto
 from hybridrl.rewards.default import default_compute_score
 from hybridrl.rewards.loader import bind_kwargs
@@ -175,10 +175,7 @@ class RewardManager:
             per_sample["overlong"] = (penalty < 0).tolist()
             metrics["reward/overlong_ratio"] = float((penalty < 0).float().mean()) if len(penalty) else 0.0
         metrics.update(_extra_means(per_sample))
-        token_level_scores = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
-        rows = torch.arange(len(lengths))
-        if token_level_scores.shape[1] > 0:
-            token_level_scores[rows, (lengths - 1).clamp(min=0)] = scores
+        token_level_scores = scores_at_last_token(scores, lengths, data.batch["responses"].shape[1])
         errors = [vars(f) for f in failures]
         return token_level_scores, {"reward_extra_info": per_sample, "metrics": metrics, "errors": errors}
 

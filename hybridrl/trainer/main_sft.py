@@ -16,7 +16,6 @@ that train one FSDP2 model over gloo.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -50,10 +49,10 @@ def build_engine(config, total_steps: int):
     """The model of ``model.partial_pretrain`` in a ``TrainEngine`` with ``optim.*``."""
     from hybridrl.engine import TrainEngine
     from hybridrl.models import load_causal_lm
+    from hybridrl.workers.common import import_external_lib
 
     model_cfg, optim = config.model, config.optim
-    if model_cfg.external_lib:
-        importlib.import_module(model_cfg.external_lib)
+    import_external_lib("model.external_lib", model_cfg.external_lib)
     model = load_causal_lm(model_cfg.partial_pretrain, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
                            override_config=dict(model_cfg.override_config))
     return TrainEngine(

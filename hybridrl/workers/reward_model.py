@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.algos.reward_shaping import scores_at_last_token
 from hybridrl.engine.packing import real_lengths
 from hybridrl.engine.train_engine import TrainEngine
 from hybridrl.models import load_reward_model, load_tokenizer
@@ -48,13 +49,10 @@ class RewardModelWorker(Worker):
             scores = self.engine.forward(data, **batching).batch["rm_scores"]
             return DataProto.from_dict({"rm_scores": scores})
         rewritten = retemplate(data, *self.tokenizers, self.rm.max_length)
-        per_row = self.engine.forward(rewritten, **batching).batch["rm_scores"].sum(-1)
-        responses = data.batch["responses"]
-        lengths = real_lengths(data.batch["attention_mask"], responses.shape[1])[1]
-        scores = torch.zeros(responses.shape, dtype=torch.float32)
-        if responses.shape[1]:
-            scores[torch.arange(len(per_row)), (lengths - 1).clamp(min=0)] = per_row
-        return DataProto.from_dict({"rm_scores": scores})
+        per_row = self.engine.forward(rewritten, **batching).batch["rm_scores"].sum(-1)  # one score a row
+        width = data.batch["responses"].shape[1]
+        lengths = real_lengths(data.batch["attention_mask"], width)[1]
+        return DataProto.from_dict({"rm_scores": scores_at_last_token(per_row, lengths, width)})
 
 
 def retemplate(data: DataProto, source, target, max_length: int | None) -> DataProto:
